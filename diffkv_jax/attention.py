@@ -1,0 +1,74 @@
+"""Plain-jnp attention: dense causal attention for prompts and paged decode attention.
+
+These are the references the Pallas kernels are tested against. All math runs
+in float32 whatever the storage dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30
+
+
+def _group(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """``[..., nq, D] -> [..., nkv, G, D]``: query heads grouped by the KV head they share."""
+    *lead, nq, d = q.shape
+    return q.reshape(*lead, num_kv_heads, nq // num_kv_heads, d)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Causal GQA self-attention over a padded prompt chunk.
+
+    Args:
+      q: ``[B, T, nq, D]``; k, v: ``[B, T, nkv, D]``.
+      lengths: ``[B]`` valid tokens per row (positions >= length are padding).
+    Returns:
+      ``[B, T, nq, D]`` float32 (rows of padding positions are finite garbage).
+    """
+    B, T, nq, D = q.shape
+    qg = _group(q.astype(jnp.float32), k.shape[2])  # [B,T,KVH,G,D]
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
+    t = jnp.arange(T)
+    mask = (t[None, :] <= t[:, None])[None] & (t[None, None, :] < lengths[:, None, None])
+    s = jnp.where(mask[:, None, None], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    return out.reshape(B, T, nq, D)
+
+
+def causal_attention_probs(q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Attention probabilities ``[B, nkv, G, Tq, Tk]`` of :func:`causal_attention` (for scoring)."""
+    B, T, nq, D = q.shape
+    qg = _group(q.astype(jnp.float32), k.shape[2])
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
+    t = jnp.arange(T)
+    mask = (t[None, :] <= t[:, None])[None] & (t[None, None, :] < lengths[:, None, None])
+    s = jnp.where(mask[:, None, None], s, _NEG)
+    return jax.nn.softmax(s, axis=-1)
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           page_ids: jax.Array, lengths: jax.Array) -> jax.Array:
+    """One query token per sequence against K/V stored in pages.
+
+    Args:
+      q: ``[B, nq, D]``.
+      k_pages, v_pages: ``[P, page_size, D]`` pools; a page holds one (layer, KV head).
+      page_ids: ``[B, nkv, n_pages]`` pages of each (sequence, KV head) in token order.
+      lengths: ``[B]`` tokens to attend to (entries beyond are masked). Must be >= 1.
+    Returns:
+      ``[B, nq, D]`` float32.
+    """
+    B, nq, D = q.shape
+    _, nkv, n_pages = page_ids.shape
+    ps = k_pages.shape[1]
+    k = k_pages[page_ids].reshape(B, nkv, n_pages * ps, D).astype(jnp.float32)
+    v = v_pages[page_ids].reshape(B, nkv, n_pages * ps, D).astype(jnp.float32)
+    qg = _group(q.astype(jnp.float32), nkv)  # [B,KVH,G,D]
+    s = jnp.einsum("bkgd,bktd->bkgt", qg, k) / jnp.sqrt(jnp.float32(D))
+    valid = jnp.arange(n_pages * ps)[None, :] < lengths[:, None]
+    s = jnp.where(valid[:, None, None, :], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bkgt,bktd->bkgd", p, v).reshape(B, nq, D)

@@ -1,0 +1,164 @@
+"""``generate``: text generation from the command line (``scripts/generate.py``).
+
+Bad input (unknown model, missing weights, empty or over-long prompt, invalid
+sampling values, unreadable files) prints one ``error:`` line on stderr and
+exits with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+METHODS = ("full",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="generate.py",
+        description="Generate text with a Llama-family model through a paged KV cache.")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="preset name (e.g. smollm2-135m, llama3-8b) or a path to a "
+                        "safetensors directory or .gguf file (default: smollm2-135m, embedded)")
+    p.add_argument("--model-path", default=None,
+                   help="weights for the preset: a Hugging Face safetensors directory or .gguf")
+    p.add_argument("--prompt", action="append", default=None,
+                   help="prompt text; repeat for a batch")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv", default="full", help=f"KV cache method: {', '.join(METHODS)}")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="longest sequence to plan for (default: what the prompts need, "
+                        "capped by the model's context)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="compute and cache dtype (auto: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--no-param-cache", action="store_true",
+                   help="do not save/restore converted parameters with orbax")
+    p.add_argument("--quiet", action="store_true", help="no statistics on stderr")
+    return p
+
+
+def _fail(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.prompt is None:
+        return _fail("give at least one --prompt")
+    if args.max_new_tokens <= 0:
+        return _fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.kv not in METHODS:
+        return _fail(f"unknown --kv method {args.kv!r}; available: {', '.join(METHODS)}")
+    if args.page_size <= 0:
+        return _fail("--page-size must be >= 1")
+    for text in args.prompt:
+        if not text.strip():
+            return _fail("empty prompt")
+
+    # Imports are deferred so argument errors answer instantly.
+    from diffkv_jax.generation import GenerationInputError
+    from models.config import UnknownModelError
+    from models.errors import ModelLoadError
+
+    try:
+        return _run(args)
+    except (UnknownModelError, ModelLoadError, GenerationInputError) as e:
+        return _fail(str(e))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _run(args) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from diffkv_jax.generation import GenerationInputError, Generator, SamplingParams, next_pow2
+    from diffkv_jax.paged_cache import FullCache
+    from models.loading import load_model
+    from models.tokenizer import IncrementalDetokenizer
+
+    dtype = None if args.dtype == "auto" else getattr(jnp, args.dtype)
+    loaded = load_model(args.model, model_path=args.model_path, dtype=dtype,
+                        use_cache=not args.no_param_cache)
+    cfg, params, tok = loaded.cfg, loaded.params, loaded.tokenizer
+    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+
+    texts = []
+    for text in args.prompt:
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages.append({"role": "user", "content": text})
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        texts.append(text)
+    prompts = [tok.encode(t) for t in texts]
+    longest = max(len(p) for p in prompts)
+    model_ctx = cfg.max_position_embeddings
+    if longest >= model_ctx:
+        raise GenerationInputError(
+            f"prompt has {longest} tokens; {cfg.name} has a context of {model_ctx}")
+    max_context = args.max_context or min(model_ctx, next_pow2(longest + args.max_new_tokens, 64))
+    max_context = min(max_context, model_ctx)
+    if longest >= max_context:
+        raise GenerationInputError(
+            f"prompt has {longest} tokens; --max-context is {max_context}")
+    if longest + args.max_new_tokens > max_context:
+        print(f"note: generation capped at {max_context - longest} new tokens by the context "
+              f"({max_context})", file=sys.stderr)
+
+    stop = tuple(tok.eos_token_ids)
+    sampling = [SamplingParams(args.temperature, args.top_p, args.top_k, args.seed + i,
+                               args.max_new_tokens, stop) for i in range(len(prompts))]
+    for s in sampling:
+        s.validate()
+    method = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                       max_seqs=len(prompts), max_context=max_context,
+                       page_size=args.page_size, dtype=jnp.dtype(dtype).name)
+    num_pages = sum(method.pages_for_tokens(min(len(p) + args.max_new_tokens, max_context))
+                    for p in prompts)
+    gen = Generator(cfg, params, method, num_pages=num_pages, dtype=dtype)
+
+    single = len(prompts) == 1
+    detoks = [IncrementalDetokenizer(tok) for _ in prompts]
+    stop_set = set(stop)
+
+    def on_token(row: int, token: int) -> None:
+        if token in stop_set:
+            return
+        piece = detoks[row].push(token)
+        if single and piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+    result = gen.generate(prompts, sampling, on_token=on_token)
+    if single:
+        sys.stdout.write(detoks[0].flush() + "\n")
+    else:
+        for i, ids in enumerate(result.tokens):
+            text = tok.decode([t for t in ids if t not in stop_set])
+            print(f"[{i}] {text}")
+    sys.stdout.flush()
+    if not args.quiet:
+        m = result.memory
+        print(f"prefill: {result.prefill_tokens} tokens in {result.prefill_seconds:.3f} s "
+              f"({result.prefill_tokens_per_s:.1f} tok/s, includes compilation on first use)\n"
+              f"decode:  {result.decode_tokens} tokens in {result.decode_seconds:.3f} s "
+              f"({result.decode_tokens_per_s:.1f} tok/s)\n"
+              f"kv cache ({args.kv}, {jnp.dtype(dtype).name}): {m['tokens']} tokens, "
+              f"{m['pages']} pages = {m['page_bytes'] / 2**20:.2f} MiB "
+              f"(+ page table {m['table_bytes'] / 2**20:.2f} MiB; "
+              f"16-bit KV for the same tokens: {m['bytes_16bit_same_tokens'] / 2**20:.2f} MiB)",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

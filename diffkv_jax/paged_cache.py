@@ -1,0 +1,218 @@
+"""Uncompressed paged KV cache (``--kv full``): the baseline every method is compared to.
+
+Layout (shared with the compressed caches so the engine treats them alike):
+
+* one page pool for all layers and KV heads: ``k_pages, v_pages [P + 1, page_size, D]``
+  in the cache dtype; page ``P`` is a write-only *trash* page that padding and
+  inactive slots write to, so they can never touch a page somebody owns;
+* a page table with one row per (slot, layer, KV head):
+  ``page_table [S + 1, L, KVH, R]``, ``R = max_context // page_size + 1``;
+  slot ``S`` is a scratch slot that padded prefill rows point at;
+* ``lengths [S + 1]`` tokens cached per slot, ``num_pages [S + 1, L, KVH]``;
+* the circular free list (:mod:`diffkv_jax.free_list`).
+
+Headroom invariant: after every prefill or decode step a live row has a page for
+its next token, so the layer loop never allocates. The one allocation of a
+step happens after the layers, for all rows at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from diffkv_jax import attention as attn_ref
+from diffkv_jax import free_list as fl
+from diffkv_jax.batch import DecodeBatch, PrefillBatch
+
+
+@struct.dataclass
+class PagedKVState:
+    """Device state of the uncompressed paged cache (an immutable pytree)."""
+
+    k_pages: jax.Array
+    v_pages: jax.Array
+    page_table: jax.Array
+    num_pages: jax.Array
+    lengths: jax.Array
+    free: fl.FreeList
+    alloc_failed: jax.Array  # [] bool, sticky: some allocation found the ring too short
+
+
+@dataclasses.dataclass(frozen=True)
+class FullCache:
+    """The uncompressed cache method. Hashable: it is part of the jit cache key.
+
+    Attributes:
+      num_layers, num_kv_heads, head_dim: model geometry.
+      max_seqs: slots (sequences decoded together).
+      max_context: longest sequence a slot may hold (prompt + generated).
+      page_size: tokens per page.
+      dtype: storage dtype name ("float32", "bfloat16").
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_seqs: int
+    max_context: int
+    page_size: int = 16
+    dtype: str = "float32"
+
+    name = "full"
+
+    # ---- geometry -------------------------------------------------------------
+    @property
+    def row_len(self) -> int:
+        return self.max_context // self.page_size + 1
+
+    @property
+    def page_bytes(self) -> int:
+        return 2 * self.page_size * self.head_dim * np.dtype(self.dtype).itemsize
+
+    def pages_for_tokens(self, n_tokens: int) -> int:
+        """Pages one sequence of ``n_tokens`` holds (all layers and heads, with headroom)."""
+        per_row = min(n_tokens // self.page_size + 1, self.row_len)
+        return per_row * self.num_layers * self.num_kv_heads
+
+    def pages_for_budget(self, budget_bytes: int) -> int:
+        return max(1, int(budget_bytes) // self.page_bytes)
+
+    # ---- state ----------------------------------------------------------------
+    def init_state(self, num_pages: int) -> PagedKVState:
+        """Empty cache with ``num_pages`` usable pages."""
+        S, L, H, R = self.max_seqs, self.num_layers, self.num_kv_heads, self.row_len
+        dt = jnp.dtype(self.dtype)
+        trash = num_pages
+        return PagedKVState(
+            k_pages=jnp.zeros((num_pages + 1, self.page_size, self.head_dim), dt),
+            v_pages=jnp.zeros((num_pages + 1, self.page_size, self.head_dim), dt),
+            page_table=jnp.full((S + 1, L, H, R), trash, jnp.int32),
+            num_pages=jnp.zeros((S + 1, L, H), jnp.int32),
+            lengths=jnp.zeros((S + 1,), jnp.int32),
+            free=fl.new_free_list(num_pages),
+            alloc_failed=jnp.zeros((), bool),
+        )
+
+    @staticmethod
+    def trash_page(state: PagedKVState) -> int:
+        return state.k_pages.shape[0] - 1
+
+    # ---- prefill ----------------------------------------------------------------
+    def begin_prefill(self, state: PagedKVState, batch: PrefillBatch):
+        """Allocate every page the prompts need (plus headroom) in one prefix sum."""
+        B, T = batch.tokens.shape
+        L, H = self.num_layers, self.num_kv_heads
+        per_row = jnp.where(batch.lengths > 0, batch.lengths // self.page_size + 1, 0)
+        counts = jnp.broadcast_to(per_row[:, None, None], (B, L, H)).reshape(-1)
+        max_count = min(T // self.page_size + 1, self.row_len)
+        free, ids, ok = fl.allocate(state.free, counts, max_count)
+        trash = self.trash_page(state)
+        ids = jnp.where(ids >= 0, ids, trash).reshape(B, L, H, max_count)
+        table = state.page_table.at[batch.slots, :, :, :max_count].set(ids)
+        num_pages = state.num_pages.at[batch.slots].set(
+            jnp.where(ok, counts.reshape(B, L, H), 0))
+        state = state.replace(free=free, page_table=table, num_pages=num_pages,
+                              alloc_failed=state.alloc_failed | ~ok)
+        return state, batch
+
+    def prefill_attention(self, state: PagedKVState, layer, q, k, v, batch: PrefillBatch):
+        out = attn_ref.causal_attention(q, k, v, batch.lengths)
+        return self._write_prompt(state, layer, k, v, batch), out
+
+    def _write_prompt(self, state, layer, k, v, batch: PrefillBatch):
+        B, T = batch.tokens.shape
+        t = jnp.arange(T)
+        rows = state.page_table[batch.slots, layer]  # [B, H, R]
+        page = jnp.take_along_axis(rows, jnp.broadcast_to((t // self.page_size)[None, None],
+                                                          (B, rows.shape[1], T)), axis=2)
+        page = jnp.where(t[None, None, :] < batch.lengths[:, None, None], page,
+                         self.trash_page(state))
+        page = page.transpose(0, 2, 1)  # [B, T, H]
+        off = jnp.broadcast_to((t % self.page_size)[None, :, None], page.shape)
+        dt = state.k_pages.dtype
+        return state.replace(k_pages=state.k_pages.at[page, off].set(k.astype(dt)),
+                             v_pages=state.v_pages.at[page, off].set(v.astype(dt)))
+
+    def end_prefill(self, state: PagedKVState, batch: PrefillBatch) -> PagedKVState:
+        lengths = state.lengths.at[batch.slots].set(batch.lengths)
+        return state.replace(lengths=lengths.at[self.max_seqs].set(0))
+
+    # ---- decode -----------------------------------------------------------------
+    def begin_decode(self, state: PagedKVState, batch: DecodeBatch):
+        return state, batch
+
+    def decode_positions(self, state: PagedKVState) -> jax.Array:
+        """Absolute position of each slot's next token ``[S]``."""
+        return state.lengths[: self.max_seqs]
+
+    def decode_attention(self, state: PagedKVState, layer, q, k, v, batch: DecodeBatch):
+        S = self.max_seqs
+        pos = state.lengths[:S]
+        rows = state.page_table[:S, layer]  # [S, H, R]
+        page = jnp.take_along_axis(rows, (pos // self.page_size)[:, None, None], axis=2)[..., 0]
+        page = jnp.where(batch.active[:, None], page, self.trash_page(state))  # [S, H]
+        off = jnp.broadcast_to((pos % self.page_size)[:, None], page.shape)
+        dt = state.k_pages.dtype
+        state = state.replace(k_pages=state.k_pages.at[page, off].set(k[:, 0].astype(dt)),
+                              v_pages=state.v_pages.at[page, off].set(v[:, 0].astype(dt)))
+        ids = rows[:, :, :batch.num_page_slots]
+        out = attn_ref.paged_decode_attention(q[:, 0], state.k_pages, state.v_pages, ids,
+                                              jnp.maximum(pos + 1, 1))
+        return state, out[:, None]
+
+    def end_decode(self, state: PagedKVState, batch: DecodeBatch) -> PagedKVState:
+        """Advance lengths, then give every row that filled its last page a fresh one."""
+        S, L, H = self.max_seqs, self.num_layers, self.num_kv_heads
+        new_len = state.lengths[:S] + batch.active.astype(jnp.int32)
+        need = batch.active & (new_len % self.page_size == 0) & (new_len < self.max_context)
+        counts = jnp.broadcast_to(need[:, None, None], (S, L, H)).astype(jnp.int32)
+        free, ids, ok = fl.allocate(state.free, counts.reshape(-1), 1)
+        ids = ids.reshape(S, L, H)
+        col = state.num_pages[:S]
+        got = ids >= 0
+        s_i, l_i, h_i = jnp.meshgrid(jnp.arange(S), jnp.arange(L), jnp.arange(H), indexing="ij")
+        # Rows that got nothing write out of bounds, which the scatter drops.
+        col_w = jnp.where(got, col, self.row_len)
+        table = state.page_table.at[s_i, l_i, h_i, col_w].set(ids, mode="drop")
+        num_pages = state.num_pages.at[:S].add(got.astype(jnp.int32))
+        return state.replace(lengths=state.lengths.at[:S].set(new_len), page_table=table,
+                             num_pages=num_pages, free=free,
+                             alloc_failed=state.alloc_failed | ~ok)
+
+    # ---- lifecycle --------------------------------------------------------------
+    def release(self, state: PagedKVState, slot_mask: jax.Array) -> PagedKVState:
+        """Return every page of the masked slots (``[S + 1]`` bool) to the free list."""
+        j = jnp.arange(self.row_len)
+        owned = slot_mask[:, None, None, None] & (j < state.num_pages[..., None])
+        ids = jnp.where(owned, state.page_table, -1)
+        free = fl.release(state.free, ids.reshape(-1, self.row_len))
+        table = jnp.where(slot_mask[:, None, None, None], self.trash_page(state), state.page_table)
+        return state.replace(
+            free=free, page_table=table,
+            num_pages=jnp.where(slot_mask[:, None, None], 0, state.num_pages),
+            lengths=jnp.where(slot_mask, 0, state.lengths))
+
+    # ---- accounting -------------------------------------------------------------
+    def memory_stats(self, state: PagedKVState) -> dict[str, Any]:
+        """Measured bytes of the cache held by live sequences (host-side numbers)."""
+        lengths = np.asarray(jax.device_get(state.lengths))[: self.max_seqs]
+        pages = int(np.asarray(jax.device_get(state.num_pages)).sum())
+        tokens = int(lengths.sum())
+        table_bytes = int(np.count_nonzero(lengths)) * self.num_layers * self.num_kv_heads \
+            * self.row_len * 4
+        per_token_16bit = 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+        return {
+            "tokens": tokens,
+            "pages": pages,
+            "page_bytes": pages * self.page_bytes,
+            "data_bytes": tokens * self.num_layers * self.num_kv_heads * 2 * self.head_dim
+            * np.dtype(self.dtype).itemsize,
+            "table_bytes": table_bytes,
+            "bytes_16bit_same_tokens": tokens * per_token_16bit,
+        }

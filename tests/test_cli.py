@@ -1,0 +1,62 @@
+"""scripts/generate.py end to end: the demo answer, and one clear line for each bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "generate.py")
+
+
+def run(args, tmp_path, env_extra=None):
+    env = dict(os.environ, DIFFKV_CACHE_DIR=str(tmp_path / "cache"),
+               HF_HUB_CACHE=str(tmp_path / "hub"), HF_HOME=str(tmp_path / "hf"))
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=tmp_path)
+
+
+def assert_clean_error(proc, needle):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert needle.lower() in errors[0].lower(), errors[0]
+
+
+def test_chat_demo_answers_paris(tmp_path):
+    proc = run(["--chat", "--prompt", "What is the capital of France?"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "The capital of France is Paris."
+    assert "decode:" in proc.stderr and "kv cache" in proc.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "no-such-model", "--prompt", "hi"], "unknown model preset"),
+    (["--model", "llama3-8b", "--prompt", "hi"], "llama3-8b"),
+    (["--prompt", "   "], "empty prompt"),
+    (["--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
+    (["--prompt", "hi", "--max-new-tokens", "-3"], "max-new-tokens"),
+    (["--prompt", "hi", "--kv", "bogus"], "unknown --kv"),
+])
+def test_bad_input_fails_cleanly(tmp_path, args, needle):
+    assert_clean_error(run(args, tmp_path), needle)
+
+
+def test_unreadable_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(os.urandom(4096))
+    assert_clean_error(run(["--model", str(bad), "--prompt", "hi"], tmp_path), "broken.gguf")
+
+
+def test_missing_weights_path(tmp_path):
+    proc = run(["--model", "llama3-8b", "--model-path", str(tmp_path / "nowhere"),
+                "--prompt", "hi"], tmp_path)
+    assert_clean_error(proc, "nowhere")
+
+
+def test_prompt_longer_than_context(tmp_path):
+    proc = run(["--prompt", "word " * 9000, "--max-new-tokens", "4"], tmp_path)
+    assert_clean_error(proc, "context")

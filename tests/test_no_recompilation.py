@@ -1,0 +1,67 @@
+"""After warm-up, decoding never compiles again (compilations counted via jax.monitoring)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diffkv_jax.batch import DecodeBatch, PrefillBatch
+from diffkv_jax.generation import Generator, SamplingParams
+from diffkv_jax.paged_cache import FullCache
+from diffkv_jax.steps import CompiledSteps
+
+_COMPILES = {"n": 0}
+
+
+def _listener(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILES["n"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_listener)
+
+
+def compiles():
+    return _COMPILES["n"]
+
+
+def test_decode_steps_do_not_recompile(tiny_model):
+    cfg, params = tiny_model
+    method = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=4,
+                       max_context=256, page_size=8)
+    steps = CompiledSteps(cfg, method, jnp.float32)
+    state = method.init_state(4 * method.pages_for_tokens(256))
+    toks = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(4, 32)).astype(np.int32)
+    state, _ = steps.prefill(params, state, PrefillBatch(
+        jnp.asarray(toks), jnp.asarray([32, 7, 19, 0], jnp.int32),
+        jnp.asarray([0, 1, 2, 4], jnp.int32)))
+    active = jnp.asarray([True, True, True, False])
+    state, _ = steps.decode(params, state, DecodeBatch(jnp.asarray(toks[:, 0]), active, 16))
+    before = compiles()
+    rng = np.random.default_rng(1)
+    for i in range(20):
+        act = jax.device_put(rng.random(4) < 0.8)
+        tk = jax.device_put(rng.integers(0, cfg.vocab_size, size=4).astype(np.int32))
+        state, logits = steps.decode(params, state, DecodeBatch(tk, act, 16))
+    logits.block_until_ready()
+    assert compiles() == before, f"{compiles() - before} compilations after warm-up"
+
+
+def test_generator_second_run_compiles_nothing(smollm):
+    cfg, params, tok = smollm.cfg, smollm.params, smollm.tokenizer
+    method = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=2,
+                       max_context=128, page_size=16)
+    gen = Generator(cfg, params, method, num_pages=2 * method.pages_for_tokens(128))
+    prompts = [tok.encode("Once upon a time"), tok.encode("The three primary colours are")]
+    sampling = [SamplingParams(max_new_tokens=24), SamplingParams(temperature=0.8, top_p=0.9,
+                                                                  top_k=40, seed=3,
+                                                                  max_new_tokens=24)]
+    first = gen.generate(prompts, sampling)
+    n_exec, before = gen.num_compiled, compiles()
+    second = gen.generate(prompts, sampling)
+    assert compiles() == before, f"{compiles() - before} compilations in the second run"
+    assert gen.num_compiled == n_exec
+    assert second.decode_tokens >= 20
+    # Same seeds, same cache: the sampled continuations repeat exactly.
+    assert first.tokens == second.tokens
+    # Every page went back to the free list.
+    assert int(gen.state.free.num_free) == gen.num_pages
