@@ -99,7 +99,8 @@ def _run(args) -> int:
             messages.append({"role": "user", "content": text})
             text = tok.apply_chat_template(messages, add_generation_prompt=True)
         texts.append(text)
-    prompts = [tok.encode(t) for t in texts]
+    # A rendered chat template already carries any BOS the model wants.
+    prompts = [tok.encode(t, add_special_tokens=not args.chat) for t in texts]
     longest = max(len(p) for p in prompts)
     model_ctx = cfg.max_position_embeddings
     if longest >= model_ctx:
