@@ -35,7 +35,7 @@ def prefill(method, cfg: ModelConfig, dtype, params, state, batch: PrefillBatch)
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.lengths - 1, 0)[:, None, None],
                                axis=1)[:, 0]
     logits = model.apply({"params": params}, last, method=LlamaForCausalLM.logits)
-    return method.end_prefill(state, batch), logits
+    return method.end_prefill(state, ctx), logits
 
 
 def decode(method, cfg: ModelConfig, dtype, params, state, batch: DecodeBatch):

@@ -1,5 +1,8 @@
 """Per-token min/max KV quantization: error bound, metadata, packing layout, qk_dot."""
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,6 +14,22 @@ from diffkv_jax import quantization as qz
 BITS = (8, 4, 2)
 F16_MAX = float(np.finfo(np.float16).max)
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _roundtrip(x, bits):
+    """Everything a round-trip check needs, in one jitted call.
+
+    One compile per (shape, dtype, bits) instead of one per function keeps the
+    tests fast, and checks that the public functions trace with static bits / D.
+    """
+    D = x.shape[-1]
+    codes, scale, zero = qz.quantize(x, bits)
+    xhat = qz.dequantize(codes, scale, zero)
+    packed, ps, pz = qz.quantize_packed(x, bits)
+    return (codes, scale, zero, xhat, packed, qz.unpack(packed, bits, D),
+            qz.dequantize_packed(packed, ps, pz, bits, D))
 
 
 def _sample(rng: np.random.Generator, kind: str, shape, magnitude: float = 1.0) -> np.ndarray:
@@ -32,41 +51,44 @@ def _sample(rng: np.random.Generator, kind: str, shape, magnitude: float = 1.0) 
     return (x * magnitude).astype(np.float32)
 
 
-def _check_roundtrip(x, bits: int) -> None:
-    """Asserts the metadata invariants and the per-element error bound for input ``x``."""
-    codes, scale, zero = qz.quantize(x, bits)
+def _check_roundtrip(x, bits: int):
+    """Asserts the metadata invariants and the per-element error bound for ``x``.
+
+    Returns ``(codes, scale, zero, xhat)`` as numpy arrays for further checks.
+    """
+    codes, scale, zero, xhat, packed, unpacked, xhat_packed = _roundtrip(x, bits)
     levels = (1 << bits) - 1
     D = x.shape[-1]
     assert codes.dtype == jnp.uint8 and codes.shape == x.shape
     assert scale.dtype == jnp.float16 and zero.dtype == jnp.float16
     assert scale.shape == x.shape[:-1] and zero.shape == x.shape[:-1]
+    assert xhat.dtype == jnp.float32 and xhat.shape == x.shape
 
     # The reference is the input as float32, saturated to the float16 range as documented.
-    xr = np.clip(np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64), -F16_MAX, F16_MAX)
+    xr = np.clip(np.asarray(x).astype(np.float32).astype(np.float64), -F16_MAX, F16_MAX)
     c = np.asarray(codes)
-    s = np.asarray(scale, np.float64)
-    z = np.asarray(zero, np.float64)
+    s = np.asarray(scale).astype(np.float64)
+    z = np.asarray(zero).astype(np.float64)
     assert c.max() <= levels
-    assert np.all(s > 0)
+    assert np.all(s > 0) and np.all(np.isfinite(s))
     # Exact in float64: the stored metadata must cover [min, max].
     assert np.all(z <= xr.min(-1))
     assert np.all(z + s * levels >= xr.max(-1))
 
-    xhat = np.asarray(qz.dequantize(codes, scale, zero), np.float64)
-    assert xhat.dtype == np.float64 and xhat.shape == x.shape
+    xh = np.asarray(xhat).astype(np.float64)
     # Tolerance: half a quantization step with the stored float16 scale, plus
     # 1e-6 * max|x| per vector (~8 float32 ulps) for the float32 rounding of
     # (x - zero) / scale and of codes * scale + zero.
     tol = s[..., None] / 2 + 1e-6 * np.abs(xr).max(-1, keepdims=True)
-    err = np.abs(xhat - xr)
+    err = np.abs(xh - xr)
     assert np.all(err <= tol), float((err - tol).max())
 
     # The packed path must agree bit for bit.
-    packed, ps, pz = qz.quantize_packed(x, bits)
+    assert packed.dtype == jnp.uint8
     assert packed.shape == x.shape[:-1] + (qz.packed_width(D, bits),)
-    np.testing.assert_array_equal(np.asarray(qz.unpack(packed, bits, D)), c)
-    np.testing.assert_array_equal(np.asarray(qz.dequantize_packed(packed, ps, pz, bits, D)),
-                                  np.asarray(qz.dequantize(codes, scale, zero)))
+    np.testing.assert_array_equal(np.asarray(unpacked), c)
+    np.testing.assert_array_equal(np.asarray(xhat_packed), np.asarray(xhat))
+    return c, np.asarray(scale), np.asarray(zero), np.asarray(xhat)
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -81,16 +103,14 @@ def test_roundtrip_within_half_step(bits, kind, D):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_roundtrip_input_dtypes(bits, dtype):
     rng = np.random.default_rng(7)
-    x = jnp.asarray(_sample(rng, "outlier_channels", (4, 2, 128)), DTYPES[dtype])
-    _check_roundtrip(x, bits)
-    assert qz.dequantize(*qz.quantize(x, bits)).dtype == jnp.float32
+    _check_roundtrip(jnp.asarray(_sample(rng, "outlier_channels", (3, 5, 128)), DTYPES[dtype]), bits)
 
 
 @settings(deadline=None, max_examples=40)
 @given(seed=st.integers(0, 2**31 - 1),
        bits=st.sampled_from(BITS),
        D=st.sampled_from([64, 128]),
-       lead=st.sampled_from([(), (1,), (3,), (2, 4), (2, 1, 3)]),
+       lead=st.sampled_from([(), (3,), (2, 1, 3)]),
        kind=st.sampled_from(["normal", "student_t1", "student_t2", "outlier_channels", "constant"]),
        log_mag=st.integers(-6, 3),
        offset=st.sampled_from([0.0, 1.0, -300.0]),
@@ -98,32 +118,28 @@ def test_roundtrip_input_dtypes(bits, dtype):
 def test_roundtrip_property(seed, bits, D, lead, kind, log_mag, offset, dtype):
     rng = np.random.default_rng(seed)
     x = _sample(rng, kind, lead + (D,), 10.0 ** log_mag) + np.float32(offset)
+    # Saturation is tested on its own; here keep float16 inputs finite.
+    x = np.clip(x, -F16_MAX, F16_MAX)
     _check_roundtrip(jnp.asarray(x, DTYPES[dtype]), bits)
 
 
 def test_constant_vectors():
     # Exactly representable constants dequantize exactly; others within half a (tiny) step.
-    for v in [0.0, 1.0, -2.5, 1000.3, 1e-7, -65504.0]:
-        x = jnp.full((2, 64), v, jnp.float32)
-        for bits in BITS:
-            codes, scale, zero = qz.quantize(x, bits)
-            assert np.all(np.isfinite(np.asarray(scale, np.float32)))
-            assert np.all(np.asarray(scale, np.float32) > 0)
-            _check_roundtrip(x, bits)
-            if float(np.float16(v)) == v:
-                np.testing.assert_array_equal(np.asarray(qz.dequantize(codes, scale, zero)), v)
+    vals = np.array([0.0, 1.0, -2.5, 1000.3, 1e-7, -65504.0, 3e-6], np.float32)
+    x = np.broadcast_to(vals[:, None], (len(vals), 64)).copy()
+    exact = vals.astype(np.float16).astype(np.float32) == vals
+    for bits in BITS:
+        _, _, _, xhat = _check_roundtrip(jnp.asarray(x), bits)
+        np.testing.assert_array_equal(xhat[exact], x[exact])
 
 
 def test_out_of_float16_range_saturates():
-    x = jnp.asarray(np.array([[-1e6, 0.0, 3.0, 7e4] + [1.0] * 60], np.float32))
+    x = np.array([[-1e6, 0.0, 3.0, 7e4] + [1.0] * 60], np.float32)
     for bits in BITS:
-        codes, scale, zero = qz.quantize(x, bits)
-        assert np.all(np.isfinite(np.asarray(scale, np.float32)))
+        _, scale, zero, xhat = _check_roundtrip(jnp.asarray(x), bits)
         assert float(zero[0]) == -F16_MAX
-        xhat = np.asarray(qz.dequantize(codes, scale, zero))
         assert np.all(np.isfinite(xhat))
-        assert abs(xhat[0, -1] - F16_MAX) <= float(scale[0]) / 2 + 1e-6 * F16_MAX
-        _check_roundtrip(x, bits)
+        assert abs(xhat[0, 3] - F16_MAX) <= float(scale[0]) / 2 + 1e-6 * F16_MAX
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -161,8 +177,6 @@ def test_pack_layout_8bit_is_identity():
 
 
 def test_pack_is_jittable():
-    import jax
-
     codes = jnp.asarray(np.random.default_rng(0).integers(0, 4, (5, 16), dtype=np.uint8))
     f = jax.jit(lambda c: qz.unpack(qz.pack(c, 2), 2, 16))
     np.testing.assert_array_equal(np.asarray(f(codes)), np.asarray(codes))

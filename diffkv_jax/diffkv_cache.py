@@ -1,0 +1,491 @@
+"""The DiffKV compressed cache (``--kv diffkv``): tiered, quantized, paged, on the device.
+
+State layout (one pytree, updated in place under donation):
+
+* page pool shared by all layers and heads, unified pages
+  (:mod:`diffkv_jax.unified_page`): ``data [P + 1, data_bytes]`` uint8 and
+  per-slot side arrays ``k_scale, k_zero, v_scale, v_zero`` (float16),
+  ``scores`` (float32, accumulated probability), ``positions`` (int32);
+  page ``P`` is the trash page;
+* bidirectional page table ``[S + 1, L, H, R]``: high-tier pages from the left
+  (columns ``0, 1, ...``), low-tier pages from the right (``R - 1, R - 2, ...``);
+* per row ``n_tok [S + 1, L, H, 2]`` (tokens per tier) and
+  ``n_pages [S + 1, L, H, 2]``;
+* per slot ``seq_len`` (tokens seen, pruned included) and ``prompt_len``;
+* the circular free list.
+
+Prefill: every row gets a conservative page set (all tokens high) from one
+prefix sum; each layer scores, classifies and writes its tokens (high pages
+from the left of the set, low pages from its right) and the surplus goes back
+to the free list in one more prefix sum after the layer loop.
+
+Decode, per layer: attention over the row's high and low pages plus the new
+token (kept in full precision for its own step), then the policy update:
+probabilities are added to the scores, one victim decision per row, the
+victim demoted (re-quantized from its stored codes) or pruned, the newcomer
+written into a high slot. After the layers, rows whose high or low region is
+full get one page each (headroom), again by one prefix sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from diffkv_jax import attention as attn_ref
+from diffkv_jax import diffkv_policy as pol
+from diffkv_jax import free_list as fl
+from diffkv_jax import quantization as qz
+from diffkv_jax.batch import DecodeBatch, PrefillBatch
+from diffkv_jax.unified_page import Tier, UnifiedPageLayout
+
+HI, LO = 0, 1
+
+
+@struct.dataclass
+class DiffKVState:
+    """Device state of the DiffKV cache (an immutable pytree)."""
+
+    data: jax.Array
+    k_scale: jax.Array
+    k_zero: jax.Array
+    v_scale: jax.Array
+    v_zero: jax.Array
+    scores: jax.Array
+    positions: jax.Array
+    page_table: jax.Array
+    n_tok: jax.Array
+    n_pages: jax.Array
+    seq_len: jax.Array
+    prompt_len: jax.Array
+    free: fl.FreeList
+    alloc_failed: jax.Array
+
+
+@struct.dataclass
+class RowView:
+    """The cached tokens of one layer's rows, gathered per tier.
+
+    Arrays are ``[S, H, n_slots_tier]`` (``data`` keeps its byte layout); ``ids``
+    are the page IDs each slot lives in and ``slot`` its slot within the page.
+    """
+
+    ids: jax.Array
+    slot: jax.Array
+    valid: jax.Array
+    scores: jax.Array
+    positions: jax.Array
+    keys: jax.Array  # float32 [S, H, n, D] dequantized (reference path)
+    values: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffKVCache:
+    """DiffKV cache method (hashable: part of the jit cache key).
+
+    Attributes:
+      num_layers, num_kv_heads, head_dim: model geometry.
+      max_seqs: decode slots; max_context: longest sequence per slot.
+      policy: thresholds and windows.
+      high, low: precision tiers (K8V4 / K4V2 by default).
+      tokens_per_page: high-tier tokens per page (the low tier holds proportionally more).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_seqs: int
+    max_context: int
+    policy: pol.DiffKVPolicy = pol.DiffKVPolicy()
+    high: Tier = Tier(8, 4)
+    low: Tier = Tier(4, 2)
+    tokens_per_page: int = 32
+
+    name = "diffkv"
+
+    # ---- geometry ---------------------------------------------------------------
+    @property
+    def layout(self) -> UnifiedPageLayout:
+        return UnifiedPageLayout(self.head_dim, (self.high, self.low), self.tokens_per_page)
+
+    @property
+    def page_size(self) -> int:
+        """High-tier tokens per page (the engine's unit for sizing decode reads)."""
+        return self.tokens_per_page
+
+    def cap(self, tier: int) -> int:
+        return self.layout.capacity(tier)
+
+    @property
+    def row_len(self) -> int:
+        # high pages <= n_high // cap_h + 1, low pages <= n_low // cap_l + 1, and
+        # n_high + n_low <= max_context, so this can never overflow.
+        return self.max_context // self.cap(HI) + 2
+
+    @property
+    def page_bytes(self) -> int:
+        return self.layout.page_bytes
+
+    def pages_for_tokens(self, n_tokens: int) -> int:
+        """Pages a sequence may hold at most (every token high, both headrooms)."""
+        per_row = min(n_tokens // self.cap(HI) + 2, self.row_len)
+        return per_row * self.num_layers * self.num_kv_heads
+
+    # ---- state ------------------------------------------------------------------
+    def init_state(self, num_pages: int) -> DiffKVState:
+        S, L, H, R = self.max_seqs, self.num_layers, self.num_kv_heads, self.row_len
+        lay = self.layout
+        meta = lambda dt: jnp.zeros((num_pages + 1, lay.slots), dt)  # noqa: E731
+        return DiffKVState(
+            data=jnp.zeros((num_pages + 1, lay.data_bytes), jnp.uint8),
+            k_scale=meta(jnp.float16), k_zero=meta(jnp.float16),
+            v_scale=meta(jnp.float16), v_zero=meta(jnp.float16),
+            scores=meta(jnp.float32), positions=meta(jnp.int32),
+            page_table=jnp.full((S + 1, L, H, R), num_pages, jnp.int32),
+            n_tok=jnp.zeros((S + 1, L, H, 2), jnp.int32),
+            n_pages=jnp.zeros((S + 1, L, H, 2), jnp.int32),
+            seq_len=jnp.zeros((S + 1,), jnp.int32),
+            prompt_len=jnp.zeros((S + 1,), jnp.int32),
+            free=fl.new_free_list(num_pages),
+            alloc_failed=jnp.zeros((), bool),
+        )
+
+    @staticmethod
+    def trash_page(state: DiffKVState) -> int:
+        return state.data.shape[0] - 1
+
+    def decode_positions(self, state: DiffKVState) -> jax.Array:
+        return state.seq_len[: self.max_seqs]
+
+    # ---- page I/O -----------------------------------------------------------------
+    def _tier(self, t: int) -> Tier:
+        return (self.high, self.low)[t]
+
+    def _write_tokens(self, state: DiffKVState, tier: int, page, slot, k, v, score, pos):
+        """Quantize ``k, v [..., D]`` to ``tier`` and scatter them to ``(page, slot)``."""
+        lay, t = self.layout, self._tier(tier)
+        kp, ks, kz = qz.quantize_packed(k, t.k_bits)
+        vp, vs, vz = qz.quantize_packed(v, t.v_bits)
+        kw, vw = lay.key_width(tier), lay.value_width(tier)
+        v0 = lay.value_span(tier)[0]
+        kcol = slot[..., None] * kw + jnp.arange(kw)
+        vcol = v0 + slot[..., None] * vw + jnp.arange(vw)
+        data = state.data.at[page[..., None], kcol].set(kp)
+        data = data.at[page[..., None], vcol].set(vp)
+        return state.replace(
+            data=data,
+            k_scale=state.k_scale.at[page, slot].set(ks),
+            k_zero=state.k_zero.at[page, slot].set(kz),
+            v_scale=state.v_scale.at[page, slot].set(vs),
+            v_zero=state.v_zero.at[page, slot].set(vz),
+            scores=state.scores.at[page, slot].set(score.astype(jnp.float32)),
+            positions=state.positions.at[page, slot].set(pos.astype(jnp.int32)))
+
+    def _read_tokens(self, state: DiffKVState, tier: int, page, slot):
+        """Dequantized ``(k, v)`` float32 ``[..., D]`` stored at ``(page, slot)``."""
+        lay, t, D = self.layout, self._tier(tier), self.head_dim
+        kw, vw = lay.key_width(tier), lay.value_width(tier)
+        v0 = lay.value_span(tier)[0]
+        kb = state.data[page[..., None], slot[..., None] * kw + jnp.arange(kw)]
+        vb = state.data[page[..., None], v0 + slot[..., None] * vw + jnp.arange(vw)]
+        k = qz.dequantize_packed(kb, state.k_scale[page, slot], state.k_zero[page, slot],
+                                 t.k_bits, D)
+        v = qz.dequantize_packed(vb, state.v_scale[page, slot], state.v_zero[page, slot],
+                                 t.v_bits, D)
+        return k, v
+
+    def gather_rows(self, state: DiffKVState, layer, tier: int, n_pages: int) -> RowView:
+        """Gather ``n_pages`` pages of ``tier`` for every decode row of ``layer``."""
+        S, cap = self.max_seqs, self.cap(tier)
+        rows = state.page_table[:S, layer]  # [S, H, R]
+        cols = jnp.arange(n_pages) if tier == HI else self.row_len - 1 - jnp.arange(n_pages)
+        ids = rows[:, :, cols]  # [S, H, n_pages]
+        ids = jnp.repeat(ids, cap, axis=-1)
+        slot = jnp.tile(jnp.arange(cap, dtype=jnp.int32), n_pages)
+        slot = jnp.broadcast_to(slot, ids.shape)
+        valid = jnp.arange(n_pages * cap) < state.n_tok[:S, layer, :, tier][..., None]
+        k, v = self._read_tokens(state, tier, ids, slot)
+        return RowView(ids=ids, slot=slot, valid=valid, scores=state.scores[ids, slot],
+                       positions=state.positions[ids, slot], keys=k, values=v)
+
+    # ---- prefill ----------------------------------------------------------------------
+    def _conservative_pages(self, T: int) -> int:
+        return min(T // self.cap(HI) + (2 if self.policy.low_tier else 1), self.row_len)
+
+    def begin_prefill(self, state: DiffKVState, batch: PrefillBatch):
+        """Allocate a conservative page set for every (row, layer, head) at once."""
+        B, T = batch.tokens.shape
+        L, H = self.num_layers, self.num_kv_heads
+        c_max = self._conservative_pages(T)
+        per_row = jnp.where(batch.lengths > 0,
+                            jnp.minimum(batch.lengths // self.cap(HI)
+                                        + (2 if self.policy.low_tier else 1), self.row_len), 0)
+        counts = jnp.broadcast_to(per_row[:, None, None], (B, L, H)).reshape(-1)
+        free, ids, ok = fl.allocate(state.free, counts, c_max)
+        ids = ids.reshape(B, L, H, c_max)
+        state = state.replace(free=free, alloc_failed=state.alloc_failed | ~ok)
+        return state, (batch, ids, per_row)
+
+    def prefill_attention(self, state: DiffKVState, layer, q, k, v, ctx):
+        batch, ids, per_row = ctx
+        out = attn_ref.causal_attention(q, k, v, batch.lengths)
+        score_sum = prompt_scores(q, k, batch.lengths, self.policy.obs_window)
+        return self.prefill_write(state, layer, k, v, score_sum, batch, ids, per_row), out
+
+    def prefill_write(self, state: DiffKVState, layer, k, v, score_sum, batch: PrefillBatch,
+                      ids, per_row):
+        """Classify one layer's prompt tokens and write them to their tiers' pages.
+
+        Args:
+          k, v: ``[B, T, H, D]`` full-precision prompt keys/values of ``layer``.
+          score_sum: ``[B, H, T]`` summed probabilities (max over each GQA group).
+          ids: ``[B, L, H, c]`` the conservative page sets (-1 where none).
+          per_row: ``[B]`` pages in each row's set.
+        """
+        B, T = batch.tokens.shape
+        H = self.num_kv_heads
+        trash = self.trash_page(state)
+        pos = jnp.arange(T, dtype=jnp.int32)
+        L_b = batch.lengths[:, None, None]
+        counts = pol.query_counts(self.policy, pos[None, None, :], L_b, L_b - 1)
+        tier = pol.classify_prompt(self.policy, score_sum / counts,
+                                   jnp.broadcast_to(batch.lengths[:, None], (B, H)))
+        is_h, is_l = tier == pol.HIGH, tier == pol.LOW
+        slot_h = jnp.cumsum(is_h, axis=-1) - 1
+        slot_l = jnp.cumsum(is_l, axis=-1) - 1
+        n_h, n_l = is_h.sum(-1).astype(jnp.int32), is_l.sum(-1).astype(jnp.int32)
+        cap_h, cap_l = self.cap(HI), self.cap(LO)
+        p_h = jnp.where(batch.lengths[:, None] > 0, n_h // cap_h + 1, 0)
+        p_l = jnp.where((batch.lengths[:, None] > 0) & self.policy.low_tier, n_l // cap_l + 1, 0)
+        row_ids = ids[:, layer]  # [B, H, c]
+        c = row_ids.shape[-1]
+        set_size = per_row[:, None, None]
+        # High page j = set[j]; low page j = set[size - 1 - j].
+        hi_page = jnp.take_along_axis(row_ids, jnp.clip(slot_h // cap_h, 0, c - 1), axis=-1)
+        lo_idx = jnp.clip(set_size - 1 - slot_l // cap_l, 0, c - 1)
+        lo_page = jnp.take_along_axis(row_ids, lo_idx, axis=-1)
+        ok = row_ids[..., :1] >= 0  # allocation succeeded for this row
+        hi_page = jnp.where(is_h & ok, hi_page, trash)
+        lo_page = jnp.where(is_l & ok, lo_page, trash)
+        kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, H, T, D]
+        posb = jnp.broadcast_to(pos, tier.shape)
+        state = self._write_tokens(state, HI, hi_page, jnp.maximum(slot_h, 0) % cap_h,
+                                   kt, vt, score_sum, posb)
+        if self.policy.low_tier:
+            state = self._write_tokens(state, LO, lo_page, jnp.maximum(slot_l, 0) % cap_l,
+                                       kt, vt, score_sum, posb)
+        # Page table for this layer: high from the left, low from the right.
+        R = self.row_len
+        j = jnp.arange(c)
+        hi_cols = jnp.where(j < p_h[..., None], j, R)  # R: dropped
+        lo_src = jnp.clip(set_size - 1 - j, 0, c - 1)
+        lo_ids = jnp.take_along_axis(row_ids, jnp.broadcast_to(lo_src, row_ids.shape), axis=-1)
+        lo_cols = jnp.where(j < p_l[..., None], R - 1 - j, R)
+        b_i = batch.slots[:, None, None]
+        h_i = jnp.arange(H)[None, :, None]
+        table = state.page_table.at[b_i, layer, h_i, hi_cols].set(row_ids, mode="drop")
+        table = table.at[b_i, layer, h_i, lo_cols].set(lo_ids, mode="drop")
+        okr = ok[..., 0]
+        n_tok = state.n_tok.at[batch.slots, layer].set(
+            jnp.stack([jnp.where(okr, n_h, 0), jnp.where(okr, n_l, 0)], -1))
+        n_pages = state.n_pages.at[batch.slots, layer].set(
+            jnp.stack([jnp.where(okr, p_h, 0), jnp.where(okr, p_l, 0)], -1))
+        return state.replace(page_table=table, n_tok=n_tok, n_pages=n_pages)
+
+    def end_prefill(self, state: DiffKVState, ctx) -> DiffKVState:
+        """Return the unused middle of every conservative page set to the free list."""
+        batch, ids, per_row = ctx
+        c = ids.shape[-1]
+        j = jnp.arange(c)
+        np_ = state.n_pages[batch.slots]  # [B, L, H, 2]
+        keep_hi = j < np_[..., HI:HI + 1]
+        keep_lo = j >= per_row[:, None, None, None] - np_[..., LO:LO + 1]
+        surplus = jnp.where(keep_hi | keep_lo, -1, ids)
+        state = state.replace(free=fl.release(state.free, surplus.reshape(-1, c)))
+        S = self.max_seqs
+        seq_len = state.seq_len.at[batch.slots].set(batch.lengths).at[S].set(0)
+        prompt_len = state.prompt_len.at[batch.slots].set(batch.lengths).at[S].set(0)
+        return state.replace(seq_len=seq_len, prompt_len=prompt_len)
+
+    # ---- decode -----------------------------------------------------------------------
+    def begin_decode(self, state: DiffKVState, batch: DecodeBatch):
+        return state, batch
+
+    def _widths(self, batch: DecodeBatch) -> tuple[int, int]:
+        n_hi = min(batch.num_page_slots, self.row_len)
+        n_lo = min(batch.num_page_slots // 2 + 1, self.row_len) if self.policy.low_tier else 0
+        return n_hi, n_lo
+
+    def decode_attention(self, state: DiffKVState, layer, q, k, v, batch: DecodeBatch):
+        n_hi, n_lo = self._widths(batch)
+        hi = self.gather_rows(state, layer, HI, n_hi)
+        lo = self.gather_rows(state, layer, LO, n_lo)
+        out, p_hi, p_lo, p_new = compressed_decode_attention(q[:, 0], k[:, 0], v[:, 0], hi, lo)
+        state = self.decode_update(state, layer, k[:, 0], v[:, 0], hi, lo, p_hi, p_lo, p_new,
+                                   batch.active)
+        return state, out[:, None]
+
+    def decode_update(self, state: DiffKVState, layer, k_new, v_new, hi: RowView, lo: RowView,
+                      p_hi, p_lo, p_new, active):
+        """Policy step for one layer: accumulate scores, demote/prune, place the newcomer.
+
+        Args:
+          k_new, v_new: ``[S, H, D]`` the new token; hi, lo: gathered rows;
+          p_hi, p_lo: ``[S, H, n]`` this step's probabilities (max over the group);
+          p_new: ``[S, H]`` the newcomer's own probability; active: ``[S]``.
+        """
+        S = self.max_seqs
+        trash = self.trash_page(state)
+        act = active[:, None]
+        sc_hi = hi.scores + jnp.where(hi.valid, p_hi, 0.0)
+        sc_lo = lo.scores + jnp.where(lo.valid, p_lo, 0.0)
+        cur = state.seq_len[:S]
+        plen = state.prompt_len[:S][:, None, None]
+        cnt = lambda pos: pol.query_counts(self.policy, pos, plen, cur[:, None, None])  # noqa
+        n_hi_tok = state.n_tok[:S, layer, :, HI]
+        n_lo_tok = state.n_tok[:S, layer, :, LO]
+        d = pol.decode_decision(self.policy, sc_hi / cnt(hi.positions), hi.positions, hi.valid,
+                                sc_lo / cnt(lo.positions), lo.positions, lo.valid,
+                                n_hi_tok, n_lo_tok, jnp.broadcast_to(cur[:, None], n_hi_tok.shape))
+        # 1. write back accumulated scores (inactive rows to the trash page).
+        state = state.replace(scores=state.scores.at[
+            jnp.where(act[..., None] & hi.valid, hi.ids, trash), hi.slot].set(sc_hi))
+        if lo.ids.shape[-1]:
+            state = state.replace(scores=state.scores.at[
+                jnp.where(act[..., None] & lo.valid, lo.ids, trash), lo.slot].set(sc_lo))
+        # 2. demoted victim -> its low slot (re-quantized from its stored high codes).
+        if self.policy.low_tier:
+            vh = jnp.maximum(d["victim_high"], 0)
+            take = lambda a: jnp.take_along_axis(a, vh[..., None], axis=-1)[..., 0]  # noqa
+            vk = jnp.take_along_axis(hi.keys, vh[..., None, None], axis=2)[:, :, 0]
+            vv = jnp.take_along_axis(hi.values, vh[..., None, None], axis=2)[:, :, 0]
+            demote = act & (d["low_slot"] >= 0)
+            ls = jnp.maximum(d["low_slot"], 0)
+            cap_l = self.cap(LO)
+            lo_rows = state.page_table[:S, layer]  # [S, H, R]
+            lo_col = self.row_len - 1 - ls // cap_l
+            lo_page = jnp.take_along_axis(lo_rows, lo_col[..., None], axis=-1)[..., 0]
+            lo_page = jnp.where(demote, lo_page, trash)
+            state = self._write_tokens(state, LO, lo_page, ls % cap_l, vk, vv,
+                                       take(sc_hi), take(hi.positions))
+        # 3. newcomer -> high slot (victim's slot or appended).
+        cap_h = self.cap(HI)
+        ns = d["new_slot"]
+        hi_rows = state.page_table[:S, layer]
+        hi_page = jnp.take_along_axis(hi_rows, (ns // cap_h)[..., None], axis=-1)[..., 0]
+        hi_page = jnp.where(act, hi_page, trash)
+        state = self._write_tokens(state, HI, hi_page, ns % cap_h, k_new, v_new, p_new,
+                                   jnp.broadcast_to(cur[:, None], ns.shape))
+        n_tok = state.n_tok.at[:S, layer].set(jnp.where(
+            act[..., None], jnp.stack([d["n_high"], d["n_low"]], -1), state.n_tok[:S, layer]))
+        return state.replace(n_tok=n_tok)
+
+    def end_decode(self, state: DiffKVState, batch: DecodeBatch) -> DiffKVState:
+        """Advance lengths; give each full tier region one more page (headroom)."""
+        S, L, H, R = self.max_seqs, self.num_layers, self.num_kv_heads, self.row_len
+        caps = jnp.asarray([self.cap(HI), self.cap(LO)], jnp.int32)
+        n_tok, n_pages = state.n_tok[:S], state.n_pages[:S]
+        need = batch.active[:, None, None, None] & (n_tok >= n_pages * caps)
+        if not self.policy.low_tier:
+            need = need.at[..., LO].set(False)
+        free, ids, ok = fl.allocate(state.free, need.reshape(-1).astype(jnp.int32), 1)
+        ids = ids.reshape(S, L, H, 2)
+        got = ids >= 0
+        col = jnp.stack([n_pages[..., HI], R - 1 - n_pages[..., LO]], -1)
+        col = jnp.where(got, col, R)
+        s_i, l_i, h_i = jnp.meshgrid(jnp.arange(S), jnp.arange(L), jnp.arange(H), indexing="ij")
+        table = state.page_table
+        for t in (HI, LO):
+            table = table.at[s_i, l_i, h_i, col[..., t]].set(ids[..., t], mode="drop")
+        return state.replace(
+            page_table=table, free=free, alloc_failed=state.alloc_failed | ~ok,
+            n_pages=state.n_pages.at[:S].add(got.astype(jnp.int32)),
+            seq_len=state.seq_len.at[:S].add(batch.active.astype(jnp.int32)))
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def release(self, state: DiffKVState, slot_mask: jax.Array) -> DiffKVState:
+        """Return every page of the masked slots (``[S + 1]`` bool) to the free list."""
+        R = self.row_len
+        j = jnp.arange(R)
+        np_ = state.n_pages
+        owned = (j < np_[..., HI:HI + 1]) | (j >= R - np_[..., LO:LO + 1])
+        owned = owned & slot_mask[:, None, None, None]
+        ids = jnp.where(owned, state.page_table, -1)
+        free = fl.release(state.free, ids.reshape(-1, R))
+        m4 = slot_mask[:, None, None, None]
+        return state.replace(
+            free=free,
+            page_table=jnp.where(m4, self.trash_page(state), state.page_table),
+            n_tok=jnp.where(m4, 0, state.n_tok), n_pages=jnp.where(m4, 0, state.n_pages),
+            seq_len=jnp.where(slot_mask, 0, state.seq_len),
+            prompt_len=jnp.where(slot_mask, 0, state.prompt_len))
+
+    # ---- accounting -------------------------------------------------------------------
+    def memory_stats(self, state: DiffKVState) -> dict[str, Any]:
+        """Measured bytes and tier fractions of the live sequences (host-side numbers)."""
+        S = self.max_seqs
+        seq_len = np.asarray(jax.device_get(state.seq_len))[:S]
+        n_tok = np.asarray(jax.device_get(state.n_tok))[:S]
+        n_pages = np.asarray(jax.device_get(state.n_pages))[:S]
+        rows = self.num_layers * self.num_kv_heads
+        total = int(seq_len.sum()) * rows
+        high, low = int(n_tok[..., HI].sum()), int(n_tok[..., LO].sum())
+        pages = int(n_pages.sum())
+        table_bytes = int(np.count_nonzero(seq_len)) * rows * self.row_len * 4
+        tok_bytes = lambda t: t.token_bytes(self.head_dim) + 16  # noqa: E731
+        return {
+            "tokens": int(seq_len.sum()),
+            "pages": pages,
+            "page_bytes": pages * self.page_bytes,
+            "data_bytes": high * tok_bytes(self.high) + low * tok_bytes(self.low),
+            "table_bytes": table_bytes,
+            "bytes_16bit_same_tokens": total * 2 * self.head_dim * 2,
+            "frac_high": high / max(total, 1),
+            "frac_low": low / max(total, 1),
+            "frac_pruned": 1 - (high + low) / max(total, 1),
+        }
+
+
+def prompt_scores(q, k, lengths, obs_window):
+    """Summed attention probability each prompt token receives, max over the GQA group.
+
+    Reference path (materializes the probabilities). Returns ``[B, H, T]`` float32.
+    """
+    B, T = q.shape[:2]
+    p = attn_ref.causal_attention_probs(q, k, lengths).max(axis=2)  # [B, H, Tq, Tk]
+    tq = jnp.arange(T)
+    counted = tq[None, :] < lengths[:, None]
+    if obs_window is not None:
+        counted = counted & (tq[None, :] >= lengths[:, None] - obs_window)
+    return jnp.einsum("bhqk,bq->bhk", p, counted.astype(jnp.float32))
+
+
+def compressed_decode_attention(q, k_new, v_new, hi: RowView, lo: RowView):
+    """Attention of one query token over high + low cached tokens plus itself.
+
+    Args:
+      q: ``[S, nq, D]``; k_new, v_new: ``[S, H, D]`` the token being decoded (full precision).
+      hi, lo: gathered rows with dequantized keys/values ``[S, H, n, D]``.
+    Returns:
+      ``(out [S, nq, D], p_hi [S, H, n_hi], p_lo [S, H, n_lo], p_new [S, H])``, the
+      probabilities max-reduced over each GQA group.
+    """
+    S, nq, D = q.shape
+    H = k_new.shape[1]
+    qg = q.astype(jnp.float32).reshape(S, H, nq // H, D)
+    keys = jnp.concatenate([hi.keys, lo.keys, k_new[:, :, None].astype(jnp.float32)], axis=2)
+    vals = jnp.concatenate([hi.values, lo.values, v_new[:, :, None].astype(jnp.float32)], axis=2)
+    valid = jnp.concatenate([hi.valid, lo.valid, jnp.ones((S, H, 1), bool)], axis=2)
+    s = jnp.einsum("shgd,shnd->shgn", qg, keys) / jnp.sqrt(jnp.float32(D))
+    s = jnp.where(valid[:, :, None], s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("shgn,shnd->shgd", p, vals).reshape(S, nq, D)
+    pm = p.max(axis=2)
+    n_hi = hi.keys.shape[2]
+    n_lo = lo.keys.shape[2]
+    return out, pm[..., :n_hi], pm[..., n_hi:n_hi + n_lo], pm[..., -1]
