@@ -11,7 +11,8 @@ import argparse
 import sys
 from typing import Sequence
 
-METHODS = ("full",)
+from diffkv_jax.methods import DEFAULT_METHOD, METHODS
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,8 +33,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kv", default="full", help=f"KV cache method: {', '.join(METHODS)}")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--kv", default=DEFAULT_METHOD,
+                   help=f"KV cache method: {', '.join(METHODS)} (default {DEFAULT_METHOD})")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="tokens per KV page (high-tier tokens for diffkv; default 16 full, 32 diffkv)")
+    d = p.add_argument_group("diffkv options")
+    d.add_argument("--alpha-high", type=float, default=1.0,
+                   help="high-tier threshold, relative to the uniform attention 1/N (default 1)")
+    d.add_argument("--alpha-low", type=float, default=0.02,
+                   help="pruning threshold, relative to 1/N (default 0.02)")
+    d.add_argument("--window", type=int, default=64, help="recent tokens always kept high")
+    d.add_argument("--obs-window", type=int, default=64,
+                   help="prompt queries counted for prompt-phase scores (0 = all)")
+    d.add_argument("--high-bits", default="K8V4", help="high tier, e.g. K8V4")
+    d.add_argument("--low-bits", default="K4V2", help="low tier, e.g. K4V2, or 'off'")
     p.add_argument("--max-context", type=int, default=None,
                    help="longest sequence to plan for (default: what the prompts need, "
                         "capped by the model's context)")
@@ -58,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.kv not in METHODS:
         return _fail(f"unknown --kv method {args.kv!r}; available: {', '.join(METHODS)}")
-    if args.page_size <= 0:
+    if args.page_size is not None and args.page_size <= 0:
         return _fail("--page-size must be >= 1")
     for text in args.prompt:
         if not text.strip():
@@ -82,7 +95,7 @@ def _run(args) -> int:
     import jax.numpy as jnp
 
     from diffkv_jax.generation import GenerationInputError, Generator, SamplingParams, next_pow2
-    from diffkv_jax.paged_cache import FullCache
+    from diffkv_jax.methods import make_method
     from models.loading import load_model
     from models.tokenizer import IncrementalDetokenizer
 
@@ -120,9 +133,19 @@ def _run(args) -> int:
                                args.max_new_tokens, stop) for i in range(len(prompts))]
     for s in sampling:
         s.validate()
-    method = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                       max_seqs=len(prompts), max_context=max_context,
-                       page_size=args.page_size, dtype=jnp.dtype(dtype).name)
+    options = {}
+    if args.kv == "diffkv":
+        low_off = args.low_bits.lower() == "off"
+        options = dict(alpha_high=args.alpha_high, alpha_low=args.alpha_low, window=args.window,
+                       obs_window=args.obs_window or None, low_tier=not low_off,
+                       high=args.high_bits)
+        if not low_off:
+            options["low"] = args.low_bits
+    try:
+        method = make_method(args.kv, cfg, max_seqs=len(prompts), max_context=max_context,
+                             dtype=dtype, page_size=args.page_size, **options)
+    except ValueError as e:
+        raise GenerationInputError(str(e)) from None
     num_pages = sum(method.pages_for_tokens(min(len(p) + args.max_new_tokens, max_context))
                     for p in prompts)
     gen = Generator(cfg, params, method, num_pages=num_pages, dtype=dtype)
@@ -153,11 +176,14 @@ def _run(args) -> int:
               f"({result.prefill_tokens_per_s:.1f} tok/s, includes compilation on first use)\n"
               f"decode:  {result.decode_tokens} tokens in {result.decode_seconds:.3f} s "
               f"({result.decode_tokens_per_s:.1f} tok/s)\n"
-              f"kv cache ({args.kv}, {jnp.dtype(dtype).name}): {m['tokens']} tokens, "
-              f"{m['pages']} pages = {m['page_bytes'] / 2**20:.2f} MiB "
-              f"(+ page table {m['table_bytes'] / 2**20:.2f} MiB; "
-              f"16-bit KV for the same tokens: {m['bytes_16bit_same_tokens'] / 2**20:.2f} MiB)",
+              f"kv cache ({args.kv}): {m['tokens']} tokens, {m['pages']} pages = "
+              f"{m['page_bytes'] / 2**20:.2f} MiB + page table {m['table_bytes'] / 2**20:.2f} MiB"
+              f" = {(m['page_bytes'] + m['table_bytes']) / m['bytes_16bit_same_tokens']:.1%} of "
+              f"16-bit KV for the same tokens ({m['bytes_16bit_same_tokens'] / 2**20:.2f} MiB)",
               file=sys.stderr)
+        if "frac_high" in m:
+            print(f"tiers: high {m['frac_high']:.1%}, low {m['frac_low']:.1%}, "
+                  f"pruned {m['frac_pruned']:.1%}", file=sys.stderr)
     return 0
 
 

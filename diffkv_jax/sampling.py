@@ -46,9 +46,14 @@ def _filtered_logits(logits: jax.Array, top_p: jax.Array, top_k: jax.Array) -> j
 def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     """Sample one token per row of ``logits [B, V]`` (float32). Returns ``[B]`` int32."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    temp = jnp.where(params.temperature > 0, params.temperature, 1.0)
-    scaled = _filtered_logits(logits / temp[:, None], params.top_p, params.top_k)
-    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(
-        params.seed.astype(jnp.uint32), params.step)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(params.temperature > 0, drawn, greedy)
+
+    def draw(_):
+        temp = jnp.where(params.temperature > 0, params.temperature, 1.0)
+        scaled = _filtered_logits(logits / temp[:, None], params.top_p, params.top_k)
+        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(
+            params.seed.astype(jnp.uint32), params.step)
+        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+        return jnp.where(params.temperature > 0, drawn, greedy)
+
+    # The vocabulary sort is skipped at run time when every row is greedy.
+    return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda _: greedy, None)

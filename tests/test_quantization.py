@@ -16,7 +16,6 @@ F16_MAX = float(np.finfo(np.float16).max)
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
-
 @functools.partial(jax.jit, static_argnums=1)
 def _roundtrip(x, bits):
     """Everything a round-trip check needs, in one jitted call.
@@ -30,6 +29,17 @@ def _roundtrip(x, bits):
     packed, ps, pz = qz.quantize_packed(x, bits)
     return (codes, scale, zero, xhat, packed, qz.unpack(packed, bits, D),
             qz.dequantize_packed(packed, ps, pz, bits, D))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _pack_unpack(codes, bits, D):
+    packed = qz.pack(codes, bits)
+    return packed, qz.unpack(packed, bits, D)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _qk_dot(q, packed_k, k_scale, k_zero, bits, D):
+    return qz.qk_dot(q, packed_k, k_scale, k_zero, bits, D)
 
 
 def _sample(rng: np.random.Generator, kind: str, shape, magnitude: float = 1.0) -> np.ndarray:
@@ -106,11 +116,11 @@ def test_roundtrip_input_dtypes(bits, dtype):
     _check_roundtrip(jnp.asarray(_sample(rng, "outlier_channels", (3, 5, 128)), DTYPES[dtype]), bits)
 
 
-@settings(deadline=None, max_examples=40)
+@settings(deadline=None, max_examples=30)
 @given(seed=st.integers(0, 2**31 - 1),
        bits=st.sampled_from(BITS),
        D=st.sampled_from([64, 128]),
-       lead=st.sampled_from([(), (3,), (2, 1, 3)]),
+       lead=st.sampled_from([(), (2, 1, 3)]),
        kind=st.sampled_from(["normal", "student_t1", "student_t2", "outlier_channels", "constant"]),
        log_mag=st.integers(-6, 3),
        offset=st.sampled_from([0.0, 1.0, -300.0]),
@@ -147,10 +157,10 @@ def test_out_of_float16_range_saturates():
 def test_pack_unpack_exact(bits, D):
     rng = np.random.default_rng(D + bits)
     codes = rng.integers(0, 1 << bits, size=(3, 2, D), dtype=np.uint8)
-    packed = qz.pack(jnp.asarray(codes), bits)
-    assert packed.dtype == jnp.uint8
+    packed, unpacked = _pack_unpack(jnp.asarray(codes), bits, D)
+    assert packed.dtype == jnp.uint8 and unpacked.dtype == jnp.uint8
     assert packed.shape == (3, 2, D * bits // 8) == (3, 2, qz.packed_width(D, bits))
-    np.testing.assert_array_equal(np.asarray(qz.unpack(packed, bits, D)), codes)
+    np.testing.assert_array_equal(np.asarray(unpacked), codes)
 
 
 def test_pack_layout_4bit():
@@ -204,10 +214,10 @@ def test_qk_dot_matches_dequantized_dot(bits):
     D, T = 128, 33
     k = _sample(rng, "outlier_channels", (2, T, D)) + np.float32(0.5)
     q = rng.standard_normal((2, 1, D)).astype(np.float32)  # broadcast over T
-    packed, scale, zero = qz.quantize_packed(jnp.asarray(k), bits)
-    got = np.asarray(qz.qk_dot(jnp.asarray(q), packed, scale, zero, bits, D))
+    _, scale, zero, khat, packed, _, _ = _roundtrip(jnp.asarray(k), bits)
+    got = np.asarray(_qk_dot(jnp.asarray(q), packed, scale, zero, bits, D))
     assert got.shape == (2, T) and got.dtype == np.float32
-    khat = np.asarray(qz.dequantize_packed(packed, scale, zero, bits, D), np.float64)
+    khat = np.asarray(khat, np.float64)
     ref = np.sum(q.astype(np.float64) * khat, axis=-1)
     # Relative to sum |q_i * k_hat_i|, the natural size of the dot's rounding error.
     mag = np.sum(np.abs(q.astype(np.float64) * khat), axis=-1)
@@ -221,8 +231,8 @@ def test_qk_dot_rejects_mismatched_shapes():
 
 
 def test_error_decreases_with_bits():
-    x = jnp.asarray(np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32))
-    errs = [float(jnp.mean(jnp.abs(qz.dequantize(*qz.quantize(x, b)) - x))) for b in BITS]
+    x = np.random.default_rng(3).standard_normal((3, 5, 128)).astype(np.float32)
+    errs = [float(np.mean(np.abs(np.asarray(_roundtrip(jnp.asarray(x), b)[3]) - x))) for b in BITS]
     assert errs[0] < errs[1] < errs[2], errs
     # Roughly a uniform-error model: each halving of bits costs a lot more than 2x.
     assert errs[1] > 4 * errs[0] and errs[2] > 2 * errs[1], errs
