@@ -108,6 +108,13 @@ class DiffKVCache:
 
     name = "diffkv"
 
+    def __post_init__(self):
+        # Page-count bounds (conservative prompt sets, row length) rely on a low
+        # page holding at least as many tokens as a high page.
+        if self.layout.capacity(LO) < self.layout.capacity(HI):
+            raise ValueError(f"the low tier ({self.low}) must not use more bits per token "
+                             f"than the high tier ({self.high})")
+
     # ---- geometry ---------------------------------------------------------------
     @property
     def layout(self) -> UnifiedPageLayout:
@@ -200,18 +207,29 @@ class DiffKVCache:
         return k, v
 
     def gather_rows(self, state: DiffKVState, layer, tier: int, n_pages: int) -> RowView:
-        """Gather ``n_pages`` pages of ``tier`` for every decode row of ``layer``."""
-        S, cap = self.max_seqs, self.cap(tier)
+        """Gather ``n_pages`` pages of ``tier`` for every decode row of ``layer``.
+
+        Whole pages are gathered and sliced (contiguous reads), then unpacked and
+        dequantized; slot ``j * cap + s`` is slot ``s`` of the row's j-th page of the tier.
+        """
+        S, H, cap, D = self.max_seqs, self.num_kv_heads, self.cap(tier), self.head_dim
+        lay, t = self.layout, self._tier(tier)
         rows = state.page_table[:S, layer]  # [S, H, R]
         cols = jnp.arange(n_pages) if tier == HI else self.row_len - 1 - jnp.arange(n_pages)
-        ids = rows[:, :, cols]  # [S, H, n_pages]
-        ids = jnp.repeat(ids, cap, axis=-1)
-        slot = jnp.tile(jnp.arange(cap, dtype=jnp.int32), n_pages)
-        slot = jnp.broadcast_to(slot, ids.shape)
-        valid = jnp.arange(n_pages * cap) < state.n_tok[:S, layer, :, tier][..., None]
-        k, v = self._read_tokens(state, tier, ids, slot)
-        return RowView(ids=ids, slot=slot, valid=valid, scores=state.scores[ids, slot],
-                       positions=state.positions[ids, slot], keys=k, values=v)
+        pids = rows[:, :, cols]  # [S, H, n_pages]
+        blob = state.data[pids]  # [S, H, n_pages, data_bytes]
+        (k0, k1), (v0, v1) = lay.key_span(tier), lay.value_span(tier)
+        n = n_pages * cap
+        kb = blob[..., k0:k1].reshape(S, H, n, lay.key_width(tier))
+        vb = blob[..., v0:v1].reshape(S, H, n, lay.value_width(tier))
+        meta = lambda a: a[pids][..., :cap].reshape(S, H, n)  # noqa: E731
+        k = qz.dequantize_packed(kb, meta(state.k_scale), meta(state.k_zero), t.k_bits, D)
+        v = qz.dequantize_packed(vb, meta(state.v_scale), meta(state.v_zero), t.v_bits, D)
+        ids = jnp.repeat(pids, cap, axis=-1)
+        slot = jnp.broadcast_to(jnp.tile(jnp.arange(cap, dtype=jnp.int32), n_pages), ids.shape)
+        valid = jnp.arange(n) < state.n_tok[:S, layer, :, tier][..., None]
+        return RowView(ids=ids, slot=slot, valid=valid, scores=meta(state.scores),
+                       positions=meta(state.positions), keys=k, values=v)
 
     # ---- prefill ----------------------------------------------------------------------
     def _conservative_pages(self, T: int) -> int:
@@ -317,8 +335,11 @@ class DiffKVCache:
         return state, batch
 
     def _widths(self, batch: DecodeBatch) -> tuple[int, int]:
+        """Pages read per tier: ``num_page_slots`` high pages cover every cached token,
+        so the low region can hold at most that many tokens in low pages (+ headroom)."""
         n_hi = min(batch.num_page_slots, self.row_len)
-        n_lo = min(batch.num_page_slots // 2 + 1, self.row_len) if self.policy.low_tier else 0
+        tokens = batch.num_page_slots * self.cap(HI)
+        n_lo = min(-(-tokens // self.cap(LO)) + 1, self.row_len) if self.policy.low_tier else 0
         return n_hi, n_lo
 
     def decode_attention(self, state: DiffKVState, layer, q, k, v, batch: DecodeBatch):

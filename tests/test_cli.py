@@ -27,10 +27,21 @@ def assert_clean_error(proc, needle):
 
 
 def test_chat_demo_answers_paris(tmp_path):
-    proc = run(["--chat", "--prompt", "What is the capital of France?"], tmp_path)
+    # fp32 compute and an fp32 uncompressed cache, greedy: the reference answer.
+    proc = run(["--chat", "--prompt", "What is the capital of France?", "--kv", "full"],
+               tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "The capital of France is Paris."
-    assert "decode:" in proc.stderr and "kv cache" in proc.stderr
+    assert "decode:" in proc.stderr and "kv cache (full)" in proc.stderr
+
+
+def test_default_diffkv_batch_generation(tmp_path):
+    proc = run(["--chat", "--prompt", "Name a colour.", "--prompt", "Count to five.",
+                "--max-new-tokens", "12"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("[0] ") and any(ln.startswith("[1] ") for ln in lines)
+    assert "kv cache (diffkv)" in proc.stderr and "tiers: high" in proc.stderr
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -40,6 +51,8 @@ def test_chat_demo_answers_paris(tmp_path):
     (["--prompt", "hi", "--max-new-tokens", "0"], "max-new-tokens"),
     (["--prompt", "hi", "--max-new-tokens", "-3"], "max-new-tokens"),
     (["--prompt", "hi", "--kv", "bogus"], "unknown --kv"),
+    (["--prompt", "hi", "--alpha-high", "0.01", "--alpha-low", "0.5"], "alpha_high > alpha_low"),
+    (["--prompt", "hi", "--high-bits", "K3V4"], "bits"),
 ])
 def test_bad_input_fails_cleanly(tmp_path, args, needle):
     assert_clean_error(run(args, tmp_path), needle)

@@ -188,6 +188,7 @@ class Harness:
             assert int(st.seq_len[s]) == self.oracles[s][0].next_pos, where
             for h in range(H):
                 o = self.oracles[s][h]
+                assert not (o.positions(HIGH) & o.positions(LOW))
                 for t, rv, name in ((0, hi, HIGH), (1, lo, LOW)):
                     ok = rv.valid[s, h]
                     pos = rv.positions[s, h][ok]
@@ -195,21 +196,21 @@ class Harness:
                     exp = o.positions(name)
                     msg = self._mismatch_msg(where, s, h, name, got, exp, o)
                     assert len(got) == len(pos), f"{where}: duplicate positions in {name}: {msg}"
-                    assert not (got & o.pruned), f"{where}: pruned token came back: {msg}"
                     assert got == exp, msg
+                    assert not (got & o.pruned), f"{where}: pruned token came back: {msg}"
                     assert int(st.n_tok[s, 0, h, t]) == len(exp), msg
                     sc = rv.scores[s, h][ok]
                     exp_sc = np.array([o.score[p] for p in pos.tolist()], np.float32)
                     bad = sc != exp_sc
                     assert not bad.any(), (
                         f"{where}: row {s} head {h} {name} score mismatch at positions "
-                        f"{pos[bad].tolist()}: cache {sc[bad].tolist()} oracle {exp_sc[bad].tolist()}")
+                        f"{pos[bad].tolist()}: cache {sc[bad].tolist()} "
+                        f"oracle {exp_sc[bad].tolist()}")
                     # Headroom: the next token of each used tier has an allocated slot.
                     if t == 0 or self.policy.low_tier:
                         assert len(exp) + 1 <= int(st.n_pages[s, 0, h, t]) * m.cap(t), where
                     if self.check_kv:
                         self._check_kv(rv, s, h, ok, pos, t, where)
-            assert not (o.positions(HIGH) & o.positions(LOW))
 
     def _check_kv(self, rv, s, h, ok, pos, t, where):
         m = self.m
@@ -240,23 +241,19 @@ class Harness:
 POLICIES = [
     # (alpha_high, alpha_low, low_tier, normalizer, obs_window)
     (1.0, 0.3, True, "length", 8),
-    (1.0, 0.6, True, "length", None),
-    (2.0, 0.3, True, "length", 8),
-    (2.0, 0.6, True, "token", 8),
-    (1.0, 0.0, True, "token", None),
-    (2.0, 0.0, True, "length", 8),
+    (2.0, 0.6, True, "token", None),
+    (1.0, 0.0, True, "token", 8),
+    (2.0, 0.3, True, "length", None),
+    (1.0, 0.6, True, "token", 8),
     (1.0, 0.3, False, "length", 8),
-    (2.0, 0.6, False, "length", None),
-    (1.0, 0.6, False, "token", 8),
-    (2.0, 0.3, False, "token", None),
-    (1.0, 0.0, False, "length", 8),
-    (1.0, 0.3, True, "token", 8),
+    (2.0, 0.6, False, "token", None),
+    (2.0, 0.3, False, "token", 8),
 ]
 
 
 @pytest.mark.parametrize("alpha_high,alpha_low,low_tier,normalizer,obs_window", POLICIES)
 def test_cache_matches_oracle(alpha_high, alpha_low, low_tier, normalizer, obs_window):
-    steps = 100
+    steps = 120
     policy = DiffKVPolicy(alpha_high=alpha_high, alpha_low=alpha_low, window=WINDOW,
                           obs_window=obs_window, low_tier=low_tier, normalizer=normalizer)
     seed = POLICIES.index((alpha_high, alpha_low, low_tier, normalizer, obs_window))
