@@ -178,10 +178,9 @@ class DiffKVCache:
         lay, t = self.layout, self._tier(tier)
         kp, ks, kz = qz.quantize_packed(k, t.k_bits)
         vp, vs, vz = qz.quantize_packed(v, t.v_bits)
-        kw, vw = lay.key_width(tier), lay.value_width(tier)
-        v0 = lay.value_span(tier)[0]
-        kcol = slot[..., None] * kw + jnp.arange(kw)
-        vcol = v0 + slot[..., None] * vw + jnp.arange(vw)
+        kw, vw, tb = lay.key_width(tier), lay.value_width(tier), lay.token_bytes(tier)
+        kcol = slot[..., None] * tb + jnp.arange(kw)
+        vcol = slot[..., None] * tb + kw + jnp.arange(vw)
         data = state.data.at[page[..., None], kcol].set(kp)
         data = data.at[page[..., None], vcol].set(vp)
         return state.replace(
@@ -196,10 +195,9 @@ class DiffKVCache:
     def _read_tokens(self, state: DiffKVState, tier: int, page, slot):
         """Dequantized ``(k, v)`` float32 ``[..., D]`` stored at ``(page, slot)``."""
         lay, t, D = self.layout, self._tier(tier), self.head_dim
-        kw, vw = lay.key_width(tier), lay.value_width(tier)
-        v0 = lay.value_span(tier)[0]
-        kb = state.data[page[..., None], slot[..., None] * kw + jnp.arange(kw)]
-        vb = state.data[page[..., None], v0 + slot[..., None] * vw + jnp.arange(vw)]
+        kw, vw, tb = lay.key_width(tier), lay.value_width(tier), lay.token_bytes(tier)
+        kb = state.data[page[..., None], slot[..., None] * tb + jnp.arange(kw)]
+        vb = state.data[page[..., None], slot[..., None] * tb + kw + jnp.arange(vw)]
         k = qz.dequantize_packed(kb, state.k_scale[page, slot], state.k_zero[page, slot],
                                  t.k_bits, D)
         v = qz.dequantize_packed(vb, state.v_scale[page, slot], state.v_zero[page, slot],
@@ -218,10 +216,9 @@ class DiffKVCache:
         cols = jnp.arange(n_pages) if tier == HI else self.row_len - 1 - jnp.arange(n_pages)
         pids = rows[:, :, cols]  # [S, H, n_pages]
         blob = state.data[pids]  # [S, H, n_pages, data_bytes]
-        (k0, k1), (v0, v1) = lay.key_span(tier), lay.value_span(tier)
-        n = n_pages * cap
-        kb = blob[..., k0:k1].reshape(S, H, n, lay.key_width(tier))
-        vb = blob[..., v0:v1].reshape(S, H, n, lay.value_width(tier))
+        n, kw = n_pages * cap, lay.key_width(tier)
+        tokens = blob[..., :lay.used_bytes(tier)].reshape(S, H, n, lay.token_bytes(tier))
+        kb, vb = tokens[..., :kw], tokens[..., kw:]
         meta = lambda a: a[pids][..., :cap].reshape(S, H, n)  # noqa: E731
         k = qz.dequantize_packed(kb, meta(state.k_scale), meta(state.k_zero), t.k_bits, D)
         v = qz.dequantize_packed(vb, meta(state.v_scale), meta(state.v_zero), t.v_bits, D)

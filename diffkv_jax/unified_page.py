@@ -4,9 +4,12 @@ A page holds the tokens of one (sequence, layer, KV head) at one precision.
 Its data bytes are fixed; a tier with fewer bits per token fits more tokens in
 the same bytes (K8V4: T tokens, K4V2: 2T tokens for the same ``T * 1.5 * D``
 bytes), so a page is always full of useful data. Inside the data blob a tier
-stores its packed keys first, then its packed values. Per-token metadata
-(key/value scale and zero, accumulated score, position) lives in side arrays
-that share the page ID, sized for the tier with the most tokens per page.
+stores its tokens one after the other, each as ``[packed key | packed value]``
+(``token_bytes`` apart), so the pool viewed as ``[pages, capacity,
+token_bytes]`` is a free reshape and a kernel loads a block of tokens' keys
+(or values) as one strided 2-D tile. Per-token metadata (key/value scale and
+zero, accumulated score, position) lives in side arrays that share the page
+ID, sized for the tier with the most tokens per page.
 """
 
 from __future__ import annotations
@@ -68,13 +71,13 @@ class UnifiedPageLayout:
     def value_width(self, tier: int) -> int:
         return packed_width(self.head_dim, self.tiers[tier].v_bits)
 
-    def key_span(self, tier: int) -> tuple[int, int]:
-        """Byte range ``[start, end)`` of the packed keys of a tier inside the data blob."""
-        return 0, self.capacity(tier) * self.key_width(tier)
+    def token_bytes(self, tier: int) -> int:
+        """Bytes between consecutive tokens of a tier (packed key then packed value)."""
+        return self.tiers[tier].token_bytes(self.head_dim)
 
-    def value_span(self, tier: int) -> tuple[int, int]:
-        start = self.capacity(tier) * self.key_width(tier)
-        return start, start + self.capacity(tier) * self.value_width(tier)
+    def used_bytes(self, tier: int) -> int:
+        """Data bytes a full page of the tier occupies (== data_bytes when the tier fits exactly)."""
+        return self.capacity(tier) * self.token_bytes(tier)
 
     @property
     def page_bytes(self) -> int:
