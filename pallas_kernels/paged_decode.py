@@ -17,7 +17,8 @@ probabilities (max over the group) that the tiering policy accumulates.
 Packed layouts come from :mod:`diffkv_jax.quantization`: a 4-bit byte holds
 dims ``j`` and ``j + D/2``, a 2-bit byte dims ``j + i*D/4``. Since the Triton
 lowering has no in-kernel concatenate, the kernel splits ``q`` into the
-matching slices and keeps the output as four accumulators of ``D/4`` dims.
+matching slices and keeps the output as one accumulator per packed value
+slice (``D``, two ``D/2`` or four ``D/4`` dims for 8/16, 4 and 2 bits).
 
 The pool of one tier is seen as ``[pages, slots, token_width]``: each token's
 key bytes start at ``k_offset`` and its value bytes at ``v_offset`` (for the
@@ -70,6 +71,9 @@ class LaunchConfig:
     num_warps: int = 4
     num_stages: int = 2
     dot_dtype: str = "bfloat16"
+    emit_logits: bool = True  # off when the caller needs no per-token probabilities
+    logits_dtype: str = "float32"
+    prefetch: bool = False  # load block i + 1 while computing block i
 
 
 def _cast(x, dtype):
@@ -81,7 +85,10 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
             pages_per_split: int):
     D, cap, npb = fmt.head_dim, fmt.slots, cfg.pages_per_block
     n = npb * cap
-    w = D // 4
+    # The output is kept as `parts` accumulators of D/parts dims, one per packed
+    # slice of the value codes (no in-kernel concatenate on this backend).
+    parts = 1 if fmt.v_bits == 16 else 8 // fmt.v_bits
+    w = D // parts
     G = q_ref.shape[0]
     dt = cfg.dot_dtype
     split = pl.program_id(2)
@@ -105,61 +112,76 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
     def meta(ref, ids):
         return ref[ids, pl.ds(0, cap)].reshape(n).astype(jnp.float32)
 
-    def logits_of(ids):
-        kb, ko = fmt.k_bits, fmt.k_offset
+    def load_block(blk):
+        """Raw bytes (or 16-bit values) and metadata of one block of pages.
+
+        Loads are issued one block ahead of the math (software prefetch): the
+        unpacking between load and dot keeps the compiler from pipelining them.
+        """
+        ids = pages_ref[pl.ds(first_page + blk * npb, npb)]
+        kb, ko, vb, vo = fmt.k_bits, fmt.k_offset, fmt.v_bits, fmt.v_offset
+        kwidth = D if kb in (16, 8) else D * kb // 8
+        k = rows(k_ref, ids, ko, kwidth)
+        v = rows(v_ref, ids, vo, D if vb in (16, 8) else D * vb // 8)
+        metas = tuple(meta(r, ids) for r in (ks_ref, kz_ref, vs_ref, vz_ref)) \
+            if fmt.quantized else ()
+        return k, v, metas
+
+    def logits_of(k, metas):
+        kb = fmt.k_bits
         if kb in (16, 8):
-            acc = backend.dot(q_dt, _cast(rows(k_ref, ids, ko, D), dt), trans_b=True)
+            acc = backend.dot(q_dt, _cast(k, dt), trans_b=True)
         elif kb == 4:
-            b = rows(k_ref, ids, ko, D // 2)
-            acc = backend.dot(q_slice(0, D // 2), _cast(b & 0xF, dt), trans_b=True)
-            acc += backend.dot(q_slice(1, D // 2), _cast(b >> 4, dt), trans_b=True)
+            acc = backend.dot(q_slice(0, D // 2), _cast(k & 0xF, dt), trans_b=True)
+            acc += backend.dot(q_slice(1, D // 2), _cast(k >> 4, dt), trans_b=True)
         else:  # 2 bits
-            b = rows(k_ref, ids, ko, D // 4)
-            acc = backend.dot(q_slice(0, w), _cast(b & 0x3, dt), trans_b=True)
+            acc = backend.dot(q_slice(0, w), _cast(k & 0x3, dt), trans_b=True)
             for i in range(1, 4):
-                acc += backend.dot(q_slice(i, w), _cast((b >> (2 * i)) & 0x3, dt), trans_b=True)
+                acc += backend.dot(q_slice(i, w), _cast((k >> (2 * i)) & 0x3, dt), trans_b=True)
         if fmt.quantized:
-            acc = acc * meta(ks_ref, ids)[None, :] + q_sum[:, None] * meta(kz_ref, ids)[None, :]
+            acc = acc * metas[0][None, :] + q_sum[:, None] * metas[1][None, :]
         return acc
 
-    def value_quarters(ids):
-        vb, vo = fmt.v_bits, fmt.v_offset
+    def value_parts(v):
+        vb = fmt.v_bits
         if vb in (16, 8):
-            return [rows(v_ref, ids, vo + i * w, w) for i in range(4)]
-        if vb == 4:
-            a, b = rows(v_ref, ids, vo, w), rows(v_ref, ids, vo + w, w)
-            return [a & 0xF, b & 0xF, a >> 4, b >> 4]
-        b = rows(v_ref, ids, vo, w)
-        return [(b >> (2 * i)) & 0x3 for i in range(4)]
+            return [v]
+        mask = (1 << vb) - 1
+        return [v & mask] + [(v >> (vb * i)) & mask for i in range(1, parts)]
 
     def body(blk, carry):
-        o0, o1, o2, o3, m_prev, l_prev = carry
+        *accs, m_prev, l_prev, pre = carry
+        if cfg.prefetch:
+            k, v, metas = pre
+            nxt = load_block(jnp.minimum(blk + 1, jnp.maximum(n_blocks - 1, 0)))
+        else:
+            (k, v, metas), nxt = load_block(blk), pre
         page0 = first_page + blk * npb
-        ids = pages_ref[pl.ds(page0, npb)]
-        s = logits_of(ids)
+        s = logits_of(k, metas)
         slot = page0 * cap + lax.broadcasted_iota(jnp.int32, (G, n), 1)
         s = jnp.where(slot < n_tok, s, NEG_INF)
-        s_ref[:, pl.ds(blk * n, n)] = s
+        if cfg.emit_logits:
+            s_ref[:, pl.ds(blk * n, n)] = s.astype(s_ref.dtype)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
         corr = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - m_next[:, None])
         l_next = l_prev * corr + jnp.sum(p, axis=1)
         if fmt.quantized:
-            pv = p * meta(vs_ref, ids)[None, :]
-            zero_term = jnp.sum(p * meta(vz_ref, ids)[None, :], axis=1)[:, None]
+            pv = p * metas[2][None, :]
+            zero_term = jnp.sum(p * metas[3][None, :], axis=1)[:, None]
         else:
             pv, zero_term = p, 0.0
         pv = _cast(pv, dt)
-        outs = []
-        for o, v in zip((o0, o1, o2, o3), value_quarters(ids)):
-            outs.append(o * corr[:, None] + backend.dot(pv, _cast(v, dt)) + zero_term)
-        return (*outs, m_next, l_next)
+        outs = [o * corr[:, None] + backend.dot(pv, _cast(vp, dt)) + zero_term
+                for o, vp in zip(accs, value_parts(v))]
+        return (*outs, m_next, l_next, nxt)
 
     zeros = jnp.zeros((G, w), jnp.float32)
-    init = (zeros, zeros, zeros, zeros, jnp.full((G,), NEG_INF, jnp.float32),
-            jnp.zeros((G,), jnp.float32))
-    o0, o1, o2, o3, m, l = lax.fori_loop(0, n_blocks, body, init)
-    for i, o in enumerate((o0, o1, o2, o3)):
+    pre = load_block(0) if cfg.prefetch else jnp.zeros((), jnp.int32)
+    init = (*([zeros] * parts), jnp.full((G,), NEG_INF, jnp.float32),
+            jnp.zeros((G,), jnp.float32), pre)
+    *accs, m, l, _ = lax.fori_loop(0, n_blocks, body, init)
+    for i, o in enumerate(accs):
         o_ref[:, pl.ds(i * w, w)] = o
     m_ref[...] = m
     l_ref[...] = l
@@ -182,8 +204,9 @@ def paged_decode_partials(q, k_pool, v_pool, k_scale, k_zero, v_scale, v_zero, p
       n_tok: ``[S, H]`` int32 tokens stored in each row's pages of this tier.
     Returns:
       ``o [S, H, K, G, D]``, ``m, l [S, H, K, G]`` (float32, K = num_splits) and
-      ``logits [S, H, G, NP * slots]`` (scaled by 1/sqrt(D); slots >= n_tok hold
-      garbage and must be masked by the caller).
+      ``logits [S, H, G, NP * slots]`` (scaled by 1/sqrt(D); slots >=
+      n_tok hold garbage and must be masked by the caller; None when
+      ``cfg.emit_logits`` is False).
     """
     if interpret is None:
         interpret = backend.default_interpret()
@@ -197,6 +220,8 @@ def paged_decode_partials(q, k_pool, v_pool, k_scale, k_zero, v_scale, v_zero, p
         raise ValueError("head_dim must be a multiple of 16")
     pps = NP // K
     cap = fmt.slots
+    rows_out = G
+    s_cols = pps * cap if cfg.emit_logits else 1
     quant = fmt.quantized
     dummy = jnp.zeros((1, 1), jnp.float16)
     metas = [k_scale, k_zero, v_scale, v_zero] if quant else [dummy] * 4
@@ -216,21 +241,23 @@ def paged_decode_partials(q, k_pool, v_pool, k_scale, k_zero, v_scale, v_zero, p
             pl.BlockSpec((None, None, None, G, D), lambda s, h, k: (s, h, k, 0, 0)),
             pl.BlockSpec((None, None, None, G), lambda s, h, k: (s, h, k, 0)),
             pl.BlockSpec((None, None, None, G), lambda s, h, k: (s, h, k, 0)),
-            pl.BlockSpec((None, None, None, G, pps * cap), lambda s, h, k: (s, h, k, 0, 0)),
+            pl.BlockSpec((None, None, None, rows_out, s_cols), lambda s, h, k: (s, h, k, 0, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((S, H, K, G, D), jnp.float32),
             jax.ShapeDtypeStruct((S, H, K, G), jnp.float32),
             jax.ShapeDtypeStruct((S, H, K, G), jnp.float32),
-            jax.ShapeDtypeStruct((S, H, K, G, pps * cap), jnp.float32),
+            jax.ShapeDtypeStruct((S, H, K, rows_out, s_cols), jnp.dtype(cfg.logits_dtype)),
         ],
         interpret=interpret,
         compiler_params=None if interpret else backend.compiler_params(cfg.num_warps,
                                                                        cfg.num_stages),
         name=f"paged_decode_k{fmt.k_bits}v{fmt.v_bits}",
     )(q, k_pool, v_pool, *metas, pages, n_tok[..., None])
-    logits = s.transpose(0, 1, 3, 2, 4).reshape(S, H, G, NP * cap)
-    return o, m, l, logits
+    if not cfg.emit_logits:
+        return o, m, l, None
+    logits = s.transpose(0, 1, 3, 2, 4).reshape(S, H, rows_out, NP * cap)
+    return o, m, l, logits.astype(jnp.float32)
 
 
 def pad_group(q, multiple: int):
