@@ -74,6 +74,9 @@ class LaunchConfig:
     emit_logits: bool = True  # off when the caller needs no per-token probabilities
     logits_dtype: str = "float32"
     prefetch: bool = False  # load block i + 1 while computing block i
+    # True: scale/shift the codes per token in registers before the dots; False:
+    # apply scale/zero to the logits and probabilities (the identities above).
+    dequant_in_registers: bool = False
 
 
 def _cast(x, dtype):
@@ -127,8 +130,23 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
             if fmt.quantized else ()
         return k, v, metas
 
+    def deq(codes, scale, zero):
+        return _cast(codes.astype(jnp.float32) * scale[:, None] + zero[:, None], dt)
+
     def logits_of(k, metas):
         kb = fmt.k_bits
+        if fmt.quantized and cfg.dequant_in_registers:
+            ks, kz = metas[0], metas[1]
+            if kb == 8:
+                return backend.dot(q_dt, deq(k, ks, kz), trans_b=True)
+            if kb == 4:
+                return (backend.dot(q_slice(0, D // 2), deq(k & 0xF, ks, kz), trans_b=True)
+                        + backend.dot(q_slice(1, D // 2), deq(k >> 4, ks, kz), trans_b=True))
+            acc = backend.dot(q_slice(0, w), deq(k & 0x3, ks, kz), trans_b=True)
+            for i in range(1, 4):
+                acc += backend.dot(q_slice(i, w), deq((k >> (2 * i)) & 0x3, ks, kz),
+                                   trans_b=True)
+            return acc
         if kb in (16, 8):
             acc = backend.dot(q_dt, _cast(k, dt), trans_b=True)
         elif kb == 4:
@@ -166,14 +184,18 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
         corr = jnp.exp(m_prev - m_next)
         p = jnp.exp(s - m_next[:, None])
         l_next = l_prev * corr + jnp.sum(p, axis=1)
-        if fmt.quantized:
+        vparts = value_parts(v)
+        if fmt.quantized and cfg.dequant_in_registers:
+            pv, zero_term = p, 0.0
+            vparts = [deq(vp, metas[2], metas[3]) for vp in vparts]
+        elif fmt.quantized:
             pv = p * metas[2][None, :]
             zero_term = jnp.sum(p * metas[3][None, :], axis=1)[:, None]
         else:
             pv, zero_term = p, 0.0
         pv = _cast(pv, dt)
         outs = [o * corr[:, None] + backend.dot(pv, _cast(vp, dt)) + zero_term
-                for o, vp in zip(accs, value_parts(v))]
+                for o, vp in zip(accs, vparts)]
         return (*outs, m_next, l_next, nxt)
 
     zeros = jnp.zeros((G, w), jnp.float32)

@@ -26,6 +26,7 @@ def main() -> int:
     p.add_argument("--stages", default="1,2,3")
     p.add_argument("--splits", default="1,4")
     p.add_argument("--prefetch", default="0,1")
+    p.add_argument("--dequant", default="0,1", help="1 = dequantize codes in registers")
     p.add_argument("--logits", default="f32,bf16,off")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -60,19 +61,20 @@ def main() -> int:
         fmt = pdk.TierFormat(kb, vb, D, cap, 0, 0 if kb == 16 else D * kb // 8)
         pages = jax.random.permutation(key, P).reshape(S, H, npr).astype(jnp.int32)
         ntok = jnp.full((S, H), N, jnp.int32)
-        for tpb, warps, stages, splits, lg, pf in itertools.product(
+        for tpb, warps, stages, splits, lg, pf, dq in itertools.product(
                 (int(x) for x in args.tokens_per_block.split(",")),
                 (int(x) for x in args.warps.split(",")),
                 (int(x) for x in args.stages.split(",")),
                 (int(x) for x in args.splits.split(",")), args.logits.split(","),
-                (int(x) for x in args.prefetch.split(","))):
+                (int(x) for x in args.prefetch.split(",")),
+                (int(x) for x in args.dequant.split(","))):
             npb = max(1, tpb // cap)
             if npr % (npb * splits):
                 continue
             cfg = pdk.LaunchConfig(
                 pages_per_block=npb, num_splits=splits, num_warps=warps, num_stages=stages,
                 emit_logits=lg != "off", logits_dtype="bfloat16" if lg == "bf16" else "float32",
-                prefetch=bool(pf))
+                prefetch=bool(pf), dequant_in_registers=bool(dq))
             fn = jax.jit(lambda q, kp, vp, pages, ntok, cfg=cfg: pdk.paged_decode_partials(
                 q, kp, vp, *metas, pages, ntok, fmt=fmt, cfg=cfg))
             try:
@@ -83,8 +85,9 @@ def main() -> int:
                 continue
             tb = nbytes * S * H / (ms * 1e-3) / 1e12
             rows.append(dict(tier=tier, tpb=tpb, warps=warps, stages=stages, splits=splits,
-                             logits=lg, prefetch=pf, ms=ms, tbps=tb))
-            print(f"K{kb}V{vb} tpb={tpb:3d} w={warps} st={stages} sp={splits} pf={pf} {lg:5s} "
+                             logits=lg, prefetch=pf, dequant=dq, ms=ms, tbps=tb))
+            print(f"K{kb}V{vb} tpb={tpb:3d} w={warps} st={stages} sp={splits} pf={pf} dq={dq} "
+                  f"{lg:5s} "
                   f"{ms:7.3f} ms {tb:5.2f} TB/s", flush=True)
         del kp, vp
     if args.json:
@@ -97,7 +100,8 @@ def main() -> int:
             if cands:
                 b = min(cands, key=lambda r: r["ms"])
                 print(f"  {tier:9s} {lg:9s} {b['ms']:.3f} ms {b['tbps']:.2f} TB/s  tpb={b['tpb']} "
-                      f"w={b['warps']} st={b['stages']} sp={b['splits']} pf={b['prefetch']}")
+                      f"w={b['warps']} st={b['stages']} sp={b['splits']} pf={b['prefetch']} "
+                      f"dq={b['dequant']}")
     return 0
 
 

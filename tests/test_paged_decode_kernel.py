@@ -61,7 +61,7 @@ def check_kernel(bits, D, G, splits, interpret, dot_dtype, tol, prefetch=False):
     n_tok = jnp.asarray([[0, 5], [NP * cap, 17], [33, 9]], jnp.int32)  # ragged, incl. empty
     q = jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32)
     cfg = pdk.LaunchConfig(pages_per_block=2, num_splits=splits, dot_dtype=dot_dtype,
-                           prefetch=prefetch)
+                           prefetch=prefetch, dequant_in_registers=G % 2 == 0)
     qk = q if interpret else pdk.pad_group(q, 16)
     o, m, l, logits = pdk.paged_decode_partials(qk, *pools, pages, n_tok, fmt=fmt, cfg=cfg,
                                                 interpret=interpret)
