@@ -243,6 +243,11 @@ def paged_decode_partials(q, k_pool, v_pool, k_scale, k_zero, v_scale, v_zero, p
     pps = NP // K
     cap = fmt.slots
     rows_out = G
+    for pool in (k_pool, v_pool):
+        if pool.size >= 2**31:
+            # The Triton lowering indexes refs with 32-bit offsets.
+            raise ValueError(f"pool of {pool.size} elements exceeds the 2^31 elements one "
+                             "kernel launch can address; split the pool")
     s_cols = pps * cap if cfg.emit_logits else 1
     quant = fmt.quantized
     dummy = jnp.zeros((1, 1), jnp.float16)

@@ -100,6 +100,11 @@ def main() -> int:
         G = nq // H
         for S in (int(b) for b in args.batches.split(",")):
             for N in (int(c) for c in args.contexts.split(",")):
+                if S * N * H * D >= 2**31:
+                    # One bf16 pool of this size needs 64-bit offsets, which the kernels'
+                    # Triton lowering does not use yet.
+                    print(f"skip {model} B={S} N={N}: pool over 2^31 elements", flush=True)
+                    continue
                 key, *ks = jax.random.split(key, 12)
                 q = jax.random.normal(ks[0], (S, nq, D), jnp.bfloat16)
                 qg = pdk.pad_group(q.reshape(S, H, G, D), 16)
