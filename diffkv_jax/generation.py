@@ -92,6 +92,7 @@ class Generator:
         self.state = method.init_state(num_pages)
         self._executables: dict = {}
         self.compile_seconds = 0.0
+        self.free_pages = num_pages  # as of the last completed step
 
     def _run(self, name: str, key, fn, *args):
         """Call ``fn`` through an executable compiled once per (name, shape bucket).
@@ -192,8 +193,9 @@ class Generator:
             width = self._page_width(int(seq_len[active].max()) + 1)
             batch = DecodeBatch(jnp.asarray(last), jnp.asarray(active), width)
             smp = self._sampling_arrays(sampling, S, steps=step)
-            self.state, new, _ = self._run("decode", width, self.steps.decode_and_sample,
-                                           self.params, self.state, batch, smp)
+            self.state, new, free = self._run("decode", width, self.steps.decode_and_sample,
+                                              self.params, self.state, batch, smp)
+            new, self.free_pages = jax.device_get((new, free))
             new = np.asarray(new)
             was_active = active.copy()
             seq_len[was_active] += 1

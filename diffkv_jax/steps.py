@@ -50,9 +50,14 @@ def decode(method, cfg: ModelConfig, dtype, params, state, batch: DecodeBatch):
 
 def decode_and_sample(method, cfg, dtype, params, state, batch: DecodeBatch,
                       sampling: SamplingArrays):
-    """:func:`decode` fused with sampling; returns ``(state, tokens [S], logits [S, V])``."""
+    """:func:`decode` fused with sampling.
+
+    Returns ``(state, tokens [S], free_pages [])``: the free-page count travels
+    with the sampled tokens, so the host learns it (for admission) from the
+    transfer it makes anyway, without an extra synchronization.
+    """
     state, logits = decode(method, cfg, dtype, params, state, batch)
-    return state, sample(logits, sampling), logits
+    return state, sample(logits, sampling), state.free.num_free
 
 
 def forward_no_cache(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array,
