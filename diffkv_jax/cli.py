@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt queries counted for prompt-phase scores (0 = all)")
     d.add_argument("--high-bits", default="K8V4", help="high tier, e.g. K8V4")
     d.add_argument("--low-bits", default="K4V2", help="low tier, e.g. K4V2, or 'off'")
+    d.add_argument("--attention", default="reference", choices=("reference", "pallas"),
+                   help="decode attention: plain jnp (default) or the Pallas paged kernel "
+                        "(interpret mode without a GPU)")
     p.add_argument("--max-context", type=int, default=None,
                    help="longest sequence to plan for (default: what the prompts need, "
                         "capped by the model's context)")
@@ -138,7 +141,7 @@ def _run(args) -> int:
         low_off = args.low_bits.lower() == "off"
         options = dict(alpha_high=args.alpha_high, alpha_low=args.alpha_low, window=args.window,
                        obs_window=args.obs_window or None, low_tier=not low_off,
-                       high=args.high_bits)
+                       high=args.high_bits, attention_impl=args.attention)
         if not low_off:
             options["low"] = args.low_bits
     try:
@@ -173,7 +176,8 @@ def _run(args) -> int:
     if not args.quiet:
         m = result.memory
         print(f"prefill: {result.prefill_tokens} tokens in {result.prefill_seconds:.3f} s "
-              f"({result.prefill_tokens_per_s:.1f} tok/s, includes compilation on first use)\n"
+              f"({result.prefill_tokens_per_s:.1f} tok/s; compilation {gen.compile_seconds:.1f} s "
+              f"excluded)\n"
               f"decode:  {result.decode_tokens} tokens in {result.decode_seconds:.3f} s "
               f"({result.decode_tokens_per_s:.1f} tok/s)\n"
               f"kv cache ({args.kv}): {m['tokens']} tokens, {m['pages']} pages = "

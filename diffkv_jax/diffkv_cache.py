@@ -105,6 +105,9 @@ class DiffKVCache:
     high: Tier = Tier(8, 4)
     low: Tier = Tier(4, 2)
     tokens_per_page: int = 32
+    # "reference": plain jnp (gathers and dequantizes pages); "pallas": the paged
+    # decode kernel of pallas_kernels/paged_decode.py (interpret mode off the GPU).
+    attention_impl: str = "reference"
 
     name = "diffkv"
 
@@ -114,6 +117,14 @@ class DiffKVCache:
         if self.layout.capacity(LO) < self.layout.capacity(HI):
             raise ValueError(f"the low tier ({self.low}) must not use more bits per token "
                              f"than the high tier ({self.high})")
+        if self.attention_impl not in ("reference", "pallas"):
+            raise ValueError(f"attention_impl must be 'reference' or 'pallas', "
+                             f"got {self.attention_impl!r}")
+        if self.attention_impl == "pallas" and (
+                self.head_dim % 16 or any(self.layout.used_bytes(t) != self.layout.data_bytes
+                                          for t in (HI, LO))):
+            raise ValueError("the Pallas kernel needs head_dim % 16 == 0 and tiers whose "
+                             "tokens fill a page exactly (e.g. K8V4 with K4V2)")
 
     # ---- geometry ---------------------------------------------------------------
     @property
@@ -204,7 +215,8 @@ class DiffKVCache:
                                  t.v_bits, D)
         return k, v
 
-    def gather_rows(self, state: DiffKVState, layer, tier: int, n_pages: int) -> RowView:
+    def gather_rows(self, state: DiffKVState, layer, tier: int, n_pages: int,
+                    with_kv: bool = True) -> RowView:
         """Gather ``n_pages`` pages of ``tier`` for every decode row of ``layer``.
 
         Whole pages are gathered and sliced (contiguous reads), then unpacked and
@@ -215,16 +227,20 @@ class DiffKVCache:
         rows = state.page_table[:S, layer]  # [S, H, R]
         cols = jnp.arange(n_pages) if tier == HI else self.row_len - 1 - jnp.arange(n_pages)
         pids = rows[:, :, cols]  # [S, H, n_pages]
-        blob = state.data[pids]  # [S, H, n_pages, data_bytes]
-        n, kw = n_pages * cap, lay.key_width(tier)
-        tokens = blob[..., :lay.used_bytes(tier)].reshape(S, H, n, lay.token_bytes(tier))
-        kb, vb = tokens[..., :kw], tokens[..., kw:]
+        n = n_pages * cap
         meta = lambda a: a[pids][..., :cap].reshape(S, H, n)  # noqa: E731
-        k = qz.dequantize_packed(kb, meta(state.k_scale), meta(state.k_zero), t.k_bits, D)
-        v = qz.dequantize_packed(vb, meta(state.v_scale), meta(state.v_zero), t.v_bits, D)
         ids = jnp.repeat(pids, cap, axis=-1)
         slot = jnp.broadcast_to(jnp.tile(jnp.arange(cap, dtype=jnp.int32), n_pages), ids.shape)
         valid = jnp.arange(n) < state.n_tok[:S, layer, :, tier][..., None]
+        if not with_kv:
+            return RowView(ids=ids, slot=slot, valid=valid, scores=meta(state.scores),
+                           positions=meta(state.positions), keys=None, values=None)
+        blob = state.data[pids]  # [S, H, n_pages, data_bytes]
+        kw = lay.key_width(tier)
+        tokens = blob[..., :lay.used_bytes(tier)].reshape(S, H, n, lay.token_bytes(tier))
+        kb, vb = tokens[..., :kw], tokens[..., kw:]
+        k = qz.dequantize_packed(kb, meta(state.k_scale), meta(state.k_zero), t.k_bits, D)
+        v = qz.dequantize_packed(vb, meta(state.v_scale), meta(state.v_zero), t.v_bits, D)
         return RowView(ids=ids, slot=slot, valid=valid, scores=meta(state.scores),
                        positions=meta(state.positions), keys=k, values=v)
 
@@ -341,9 +357,17 @@ class DiffKVCache:
 
     def decode_attention(self, state: DiffKVState, layer, q, k, v, batch: DecodeBatch):
         n_hi, n_lo = self._widths(batch)
-        hi = self.gather_rows(state, layer, HI, n_hi)
-        lo = self.gather_rows(state, layer, LO, n_lo)
-        out, p_hi, p_lo, p_new = compressed_decode_attention(q[:, 0], k[:, 0], v[:, 0], hi, lo)
+        kernel = self.attention_impl == "pallas"
+        hi = self.gather_rows(state, layer, HI, n_hi, with_kv=not kernel)
+        lo = self.gather_rows(state, layer, LO, n_lo, with_kv=not kernel)
+        if kernel:
+            from diffkv_jax.diffkv_kernel_attention import kernel_decode_attention
+
+            out, p_hi, p_lo, p_new = kernel_decode_attention(
+                self, state, layer, q[:, 0], k[:, 0], v[:, 0], n_hi, n_lo)
+        else:
+            out, p_hi, p_lo, p_new = compressed_decode_attention(q[:, 0], k[:, 0], v[:, 0],
+                                                                 hi, lo)
         state = self.decode_update(state, layer, k[:, 0], v[:, 0], hi, lo, p_hi, p_lo, p_new,
                                    batch.active)
         return state, out[:, None]
@@ -380,8 +404,8 @@ class DiffKVCache:
         if self.policy.low_tier:
             vh = jnp.maximum(d["victim_high"], 0)
             take = lambda a: jnp.take_along_axis(a, vh[..., None], axis=-1)[..., 0]  # noqa
-            vk = jnp.take_along_axis(hi.keys, vh[..., None, None], axis=2)[:, :, 0]
-            vv = jnp.take_along_axis(hi.values, vh[..., None, None], axis=2)[:, :, 0]
+            # The victim's stored high-tier codes, dequantized, then re-quantized low.
+            vk, vv = self._read_tokens(state, HI, take(hi.ids), take(hi.slot))
             demote = act & (d["low_slot"] >= 0)
             ls = jnp.maximum(d["low_slot"], 0)
             cap_l = self.cap(LO)

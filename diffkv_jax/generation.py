@@ -102,6 +102,8 @@ class Generator:
         """
         exe = self._executables.get((name, key))
         if exe is None:
+            # Finish queued device work first, so it is not counted as compilation.
+            jax.block_until_ready(args)
             t0 = time.perf_counter()
             exe = fn.lower(*args).compile()
             self.compile_seconds += time.perf_counter() - t0
@@ -173,7 +175,7 @@ class Generator:
         t0 = time.perf_counter()
         self.state, logits = self._run("prefill", (B, T), self.steps.prefill,
                                        self.params, self.state, pbatch)
-        first = np.asarray(self._sample(logits, self._pad(smp, B)))[:n]
+        first = np.asarray(self._run("sample", B, self._sample, logits, self._pad(smp, B)))[:n]
         t_prefill = time.perf_counter() - t0 - (self.compile_seconds - c0)
 
         # ---- decode ---------------------------------------------------------------

@@ -34,7 +34,7 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     ``diffkv`` options: ``page_size`` (high-tier tokens per page, default 32),
     ``alpha_high``, ``alpha_low``, ``window``, ``obs_window``, ``low_tier``,
     ``normalizer`` (see :class:`DiffKVPolicy`), ``high``, ``low`` (tiers such as
-    "K8V4" or :class:`Tier`).
+    "K8V4" or :class:`Tier`), ``attention_impl`` ("reference" or "pallas").
     """
     if name == "full":
         if options:
@@ -45,8 +45,9 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     if name == "diffkv":
         tiers = {k: (parse_tier(options.pop(k)) if isinstance(options.get(k), str)
                      else options.pop(k)) for k in ("high", "low") if k in options}
+        impl = options.pop("attention_impl", "reference")
         policy = DiffKVPolicy(**options)
         return DiffKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                            max_context=max_context, policy=policy,
-                           tokens_per_page=page_size or 32, **tiers)
+                           tokens_per_page=page_size or 32, attention_impl=impl, **tiers)
     raise ValueError(f"unknown KV cache method {name!r}; available: {', '.join(METHODS)}")
