@@ -97,7 +97,8 @@ def _run(args) -> int:
     import jax
     import jax.numpy as jnp
 
-    from diffkv_jax.generation import GenerationInputError, Generator, SamplingParams, next_pow2
+    from diffkv_jax.engine import Engine
+    from diffkv_jax.generation import GenerationInputError, SamplingParams, next_pow2
     from diffkv_jax.methods import make_method
     from models.loading import load_model
     from models.tokenizer import IncrementalDetokenizer
@@ -151,7 +152,7 @@ def _run(args) -> int:
         raise GenerationInputError(str(e)) from None
     num_pages = sum(method.pages_for_tokens(min(len(p) + args.max_new_tokens, max_context))
                     for p in prompts)
-    gen = Generator(cfg, params, method, num_pages=num_pages, dtype=dtype)
+    gen = Engine(cfg, params, method, num_pages=num_pages, dtype=dtype)
 
     single = len(prompts) == 1
     detoks = [IncrementalDetokenizer(tok) for _ in prompts]
@@ -165,22 +166,27 @@ def _run(args) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-    result = gen.generate(prompts, sampling, on_token=on_token)
+    ids = [gen.add_request(p, s) for p, s in zip(prompts, sampling)]
+    row_of = {rid: i for i, rid in enumerate(ids)}
+    for new in gen.run():  # continuous batching; tokens stream as they are sampled
+        for rid, toks in new.items():
+            for t in toks:
+                on_token(row_of[rid], t)
+            if not single and gen.requests[rid].status == "finished":
+                out = [t for t in gen.requests[rid].output if t not in stop_set]
+                print(f"[{row_of[rid]}] {tok.decode(out)}", flush=True)
     if single:
         sys.stdout.write(detoks[0].flush() + "\n")
-    else:
-        for i, ids in enumerate(result.tokens):
-            text = tok.decode([t for t in ids if t not in stop_set])
-            print(f"[{i}] {text}")
     sys.stdout.flush()
     if not args.quiet:
-        m = result.memory
-        print(f"prefill: {result.prefill_tokens} tokens in {result.prefill_seconds:.3f} s "
-              f"({result.prefill_tokens_per_s:.1f} tok/s; compilation {gen.compile_seconds:.1f} s "
-              f"excluded)\n"
-              f"decode:  {result.decode_tokens} tokens in {result.decode_seconds:.3f} s "
-              f"({result.decode_tokens_per_s:.1f} tok/s)\n"
-              f"kv cache ({args.kv}): {m['tokens']} tokens, {m['pages']} pages = "
+        m = gen.peak_memory
+        rate = lambda n, t: n / max(t, 1e-9)  # noqa: E731
+        print(f"prefill: {gen.prefill_tokens} tokens in {gen.prefill_seconds:.3f} s "
+              f"({rate(gen.prefill_tokens, gen.prefill_seconds):.1f} tok/s; compilation "
+              f"{gen.compile_seconds:.1f} s excluded)\n"
+              f"decode:  {gen.decode_tokens} tokens in {gen.decode_seconds:.3f} s "
+              f"({rate(gen.decode_tokens, gen.decode_seconds):.1f} tok/s)\n"
+              f"kv cache ({args.kv}, at its largest): {m['tokens']} tokens, {m['pages']} pages = "
               f"{m['page_bytes'] / 2**20:.2f} MiB + page table {m['table_bytes'] / 2**20:.2f} MiB"
               f" = {(m['page_bytes'] + m['table_bytes']) / m['bytes_16bit_same_tokens']:.1%} of "
               f"16-bit KV for the same tokens ({m['bytes_16bit_same_tokens'] / 2**20:.2f} MiB)",
