@@ -32,7 +32,7 @@ def test_chat_demo_answers_paris(tmp_path):
                tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "The capital of France is Paris."
-    assert "decode:" in proc.stderr and "kv cache (full)" in proc.stderr
+    assert "decode:" in proc.stderr and "kv cache (full" in proc.stderr
 
 
 def test_default_diffkv_batch_generation(tmp_path):
@@ -41,7 +41,7 @@ def test_default_diffkv_batch_generation(tmp_path):
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("[0] ") and any(ln.startswith("[1] ") for ln in lines)
-    assert "kv cache (diffkv)" in proc.stderr and "tiers: high" in proc.stderr
+    assert "kv cache (diffkv" in proc.stderr and "tiers: high" in proc.stderr
 
 
 @pytest.mark.parametrize("args,needle", [
