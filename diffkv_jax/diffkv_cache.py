@@ -206,9 +206,11 @@ class DiffKVCache:
     def _read_tokens(self, state: DiffKVState, tier: int, page, slot):
         """Dequantized ``(k, v)`` float32 ``[..., D]`` stored at ``(page, slot)``."""
         lay, t, D = self.layout, self._tier(tier), self.head_dim
-        kw, vw, tb = lay.key_width(tier), lay.value_width(tier), lay.token_bytes(tier)
-        kb = state.data[page[..., None], slot[..., None] * tb + jnp.arange(kw)]
-        vb = state.data[page[..., None], slot[..., None] * tb + kw + jnp.arange(vw)]
+        kw, tb = lay.key_width(tier), lay.token_bytes(tier)
+        # One gather of the whole token row: every later write to the pool then
+        # depends on this read, so XLA can update the pool in place.
+        row = state.data[page[..., None], slot[..., None] * tb + jnp.arange(tb)]
+        kb, vb = row[..., :kw], row[..., kw:]
         k = qz.dequantize_packed(kb, state.k_scale[page, slot], state.k_zero[page, slot],
                                  t.k_bits, D)
         v = qz.dequantize_packed(vb, state.v_scale[page, slot], state.v_zero[page, slot],
