@@ -149,6 +149,9 @@ class DiffKVCache:
     def page_bytes(self) -> int:
         return self.layout.page_bytes
 
+    #: Pages a row can gain in one decode step: one per tier region (high and low).
+    max_new_pages_per_row = 2
+
     def pages_for_tokens(self, n_tokens: int) -> int:
         """Pages a sequence may hold at most (every token high, both headrooms)."""
         per_row = min(n_tokens // self.cap(HI) + 2, self.row_len)

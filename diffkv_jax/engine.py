@@ -142,7 +142,7 @@ class Engine(Generator):
     def _reserve(self, rows: int) -> int:
         """Pages one decode step may allocate for ``rows`` running sequences."""
         per_row = self.method.num_layers * self.method.num_kv_heads
-        return rows * per_row * (2 if getattr(self.method, "name", "") == "diffkv" else 1)
+        return rows * per_row * self.method.max_new_pages_per_row
 
     def _admit(self, new) -> None:
         free_slots = [i for i, r in enumerate(self.slots) if r is None]

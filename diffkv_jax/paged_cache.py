@@ -75,6 +75,9 @@ class FullCache:
     def page_bytes(self) -> int:
         return 2 * self.page_size * self.head_dim * np.dtype(self.dtype).itemsize
 
+    #: Pages a row can gain in one decode step (its region's headroom page).
+    max_new_pages_per_row = 1
+
     def pages_for_tokens(self, n_tokens: int) -> int:
         """Pages one sequence of ``n_tokens`` holds (all layers and heads, with headroom)."""
         per_row = min(n_tokens // self.page_size + 1, self.row_len)
