@@ -40,6 +40,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels import backend
 
 NEG_INF = -1e30
+MAGIC_BITS = 0x6400  # float16 1024.0: its 10 mantissa bits hold an integer code exactly
+MAGIC = 1024.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +79,19 @@ class LaunchConfig:
     # True: scale/shift the codes per token in registers before the dots; False:
     # apply scale/zero to the logits and probabilities (the identities above).
     dequant_in_registers: bool = False
+    # How integer codes become dot operands (quantized tiers, identities path):
+    # "magic" ORs the code into the mantissa of float16 1024.0 (bits 0x6400 | c is
+    # exactly 1024 + c) and folds the 1024 into the zero terms: integer ALU work
+    # only. "cvt" uses int-to-float conversions, which run at 1/8 of the integer
+    # rate on Hopper and bound the kernel at well under copy bandwidth.
+    code_convert: str = "magic"
+    # Diagnostics only (results are wrong): leave stages out to time what they cost.
+    # Any of "v" (value loads and dots), "softmax", "meta" (metadata loads), "k_dot".
+    skip: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.code_convert not in ("magic", "cvt"):
+            raise ValueError(f"code_convert must be 'magic' or 'cvt', got {self.code_convert!r}")
 
 
 def _cast(x, dtype):
@@ -93,7 +108,12 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
     parts = 1 if fmt.v_bits == 16 else 8 // fmt.v_bits
     w = D // parts
     G = q_ref.shape[0]
-    dt = cfg.dot_dtype
+    # float32 dots keep exact conversions: with the 2^23 float32 magic the offset
+    # terms would cancel catastrophically.
+    magic = (fmt.quantized and cfg.code_convert == "magic" and not cfg.dequant_in_registers
+             and cfg.dot_dtype != "float32")
+    # The magic operands are float16 (exact for codes < 1024); q goes to float16 too.
+    dt = "float16" if magic else cfg.dot_dtype
     split = pl.program_id(2)
     n_tok = ntok_ref[0]
     row_pages = (n_tok + cap - 1) // cap
@@ -102,8 +122,9 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
     n_blocks = jnp.maximum(last_page - first_page + npb - 1, 0) // npb
 
     q = q_ref[...].astype(jnp.float32) * (1.0 / math.sqrt(D))
-    q_sum = jnp.sum(q, axis=1)
     q_dt = _cast(q, dt)
+    # Sum of the rounded q, so the offset terms cancel exactly against the dots.
+    q_sum = jnp.sum(q_dt.astype(jnp.float32), axis=1)
 
     def q_slice(i, width):
         return _cast(q_ref[:, pl.ds(i * width, width)].astype(jnp.float32)
@@ -125,16 +146,31 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
         kb, ko, vb, vo = fmt.k_bits, fmt.k_offset, fmt.v_bits, fmt.v_offset
         kwidth = D if kb in (16, 8) else D * kb // 8
         k = rows(k_ref, ids, ko, kwidth)
-        v = rows(v_ref, ids, vo, D if vb in (16, 8) else D * vb // 8)
-        metas = tuple(meta(r, ids) for r in (ks_ref, kz_ref, vs_ref, vz_ref)) \
-            if fmt.quantized else ()
+        v = None if "v" in cfg.skip else rows(v_ref, ids, vo, D if vb in (16, 8) else D * vb // 8)
+        if "meta" in cfg.skip:
+            metas = tuple(jnp.full((n,), 0.5, jnp.float32) for _ in range(4)) \
+                if fmt.quantized else ()
+        else:
+            metas = tuple(meta(r, ids) for r in (ks_ref, kz_ref, vs_ref, vz_ref)) \
+                if fmt.quantized else ()
+        if "v" in cfg.skip:
+            v = None
         return k, v, metas
+
+    def operand(c):
+        """Integer codes as dot operands (``1024 + c`` under the magic conversion)."""
+        if magic:
+            return lax.bitcast_convert_type(c.astype(jnp.uint16) | jnp.uint16(MAGIC_BITS),
+                                            jnp.float16)
+        return _cast(c, dt)
 
     def deq(codes, scale, zero):
         return _cast(codes.astype(jnp.float32) * scale[:, None] + zero[:, None], dt)
 
     def logits_of(k, metas):
         kb = fmt.k_bits
+        if "k_dot" in cfg.skip:
+            return jnp.broadcast_to(jnp.sum(k.astype(jnp.float32), axis=1)[None, :], (G, n))
         if fmt.quantized and cfg.dequant_in_registers:
             ks, kz = metas[0], metas[1]
             if kb == 8:
@@ -147,17 +183,22 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
                 acc += backend.dot(q_slice(i, w), deq((k >> (2 * i)) & 0x3, ks, kz),
                                    trans_b=True)
             return acc
-        if kb in (16, 8):
+        if kb == 16:
             acc = backend.dot(q_dt, _cast(k, dt), trans_b=True)
+        elif kb == 8:
+            acc = backend.dot(q_dt, operand(k), trans_b=True)
         elif kb == 4:
-            acc = backend.dot(q_slice(0, D // 2), _cast(k & 0xF, dt), trans_b=True)
-            acc += backend.dot(q_slice(1, D // 2), _cast(k >> 4, dt), trans_b=True)
+            acc = backend.dot(q_slice(0, D // 2), operand(k & 0xF), trans_b=True)
+            acc += backend.dot(q_slice(1, D // 2), operand(k >> 4), trans_b=True)
         else:  # 2 bits
-            acc = backend.dot(q_slice(0, w), _cast(k & 0x3, dt), trans_b=True)
+            acc = backend.dot(q_slice(0, w), operand(k & 0x3), trans_b=True)
             for i in range(1, 4):
-                acc += backend.dot(q_slice(i, w), _cast((k >> (2 * i)) & 0x3, dt), trans_b=True)
+                acc += backend.dot(q_slice(i, w), operand((k >> (2 * i)) & 0x3), trans_b=True)
         if fmt.quantized:
-            acc = acc * metas[0][None, :] + q_sum[:, None] * metas[1][None, :]
+            ks, kz = metas[0], metas[1]
+            if magic:  # q . (c + 1024) = q . c + 1024 sum(q)
+                kz = kz - MAGIC * ks
+            acc = acc * ks[None, :] + q_sum[:, None] * kz[None, :]
         return acc
 
     def value_parts(v):
@@ -180,22 +221,29 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
         s = jnp.where(slot < n_tok, s, NEG_INF)
         if cfg.emit_logits:
             s_ref[:, pl.ds(blk * n, n)] = s.astype(s_ref.dtype)
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        corr = jnp.exp(m_prev - m_next)
-        p = jnp.exp(s - m_next[:, None])
-        l_next = l_prev * corr + jnp.sum(p, axis=1)
+        if "softmax" in cfg.skip:
+            m_next, corr, p, l_next = m_prev, jnp.ones_like(m_prev), s, l_prev
+        else:
+            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            corr = jnp.exp(m_prev - m_next)
+            p = jnp.exp(s - m_next[:, None])
+            l_next = l_prev * corr + jnp.sum(p, axis=1)
+        if v is None:
+            return (*[o + jnp.sum(p, axis=1)[:, None] for o in accs], m_next, l_next, nxt)
         vparts = value_parts(v)
         if fmt.quantized and cfg.dequant_in_registers:
             pv, zero_term = p, 0.0
             vparts = [deq(vp, metas[2], metas[3]) for vp in vparts]
         elif fmt.quantized:
-            pv = p * metas[2][None, :]
+            pv = _cast(p * metas[2][None, :], dt)
             zero_term = jnp.sum(p * metas[3][None, :], axis=1)[:, None]
+            if magic:  # (p s) . (c + 1024): remove 1024 sum(p s) with the rounded weights
+                zero_term = zero_term - MAGIC * jnp.sum(pv.astype(jnp.float32), axis=1)[:, None]
         else:
             pv, zero_term = p, 0.0
         pv = _cast(pv, dt)
-        outs = [o * corr[:, None] + backend.dot(pv, _cast(vp, dt)) + zero_term
-                for o, vp in zip(accs, vparts)]
+        outs = [o * corr[:, None] + backend.dot(pv, operand(vp) if fmt.quantized else _cast(vp, dt))
+                + zero_term for o, vp in zip(accs, vparts)]
         return (*outs, m_next, l_next, nxt)
 
     zeros = jnp.zeros((G, w), jnp.float32)

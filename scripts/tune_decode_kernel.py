@@ -28,6 +28,9 @@ def main() -> int:
     p.add_argument("--prefetch", default="0,1")
     p.add_argument("--dequant", default="0,1", help="1 = dequantize codes in registers")
     p.add_argument("--logits", default="f32,bf16,off")
+    p.add_argument("--convert", default="magic,cvt", help="code conversion (LaunchConfig)")
+    p.add_argument("--skip", default="", help="diagnostics: ';'-separated sets of stages to "
+                   "leave out, each '+'-joined (v, softmax, meta, k_dot); '-' = none")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -61,47 +64,52 @@ def main() -> int:
         fmt = pdk.TierFormat(kb, vb, D, cap, 0, 0 if kb == 16 else D * kb // 8)
         pages = jax.random.permutation(key, P).reshape(S, H, npr).astype(jnp.int32)
         ntok = jnp.full((S, H), N, jnp.int32)
-        for tpb, warps, stages, splits, lg, pf, dq in itertools.product(
+        skips = [() if x == "-" else tuple(x.split("+"))
+                 for x in (args.skip.split(";") if args.skip else ["-"])]
+        for tpb, warps, stages, splits, lg, pf, dq, cv, skip in itertools.product(
                 (int(x) for x in args.tokens_per_block.split(",")),
                 (int(x) for x in args.warps.split(",")),
                 (int(x) for x in args.stages.split(",")),
                 (int(x) for x in args.splits.split(",")), args.logits.split(","),
                 (int(x) for x in args.prefetch.split(",")),
-                (int(x) for x in args.dequant.split(","))):
+                (int(x) for x in args.dequant.split(",")), args.convert.split(","), skips):
             npb = max(1, tpb // cap)
             if npr % (npb * splits):
                 continue
             cfg = pdk.LaunchConfig(
                 pages_per_block=npb, num_splits=splits, num_warps=warps, num_stages=stages,
                 emit_logits=lg != "off", logits_dtype="bfloat16" if lg == "bf16" else "float32",
-                prefetch=bool(pf), dequant_in_registers=bool(dq))
+                prefetch=bool(pf), dequant_in_registers=bool(dq), code_convert=cv,
+                skip=skip)
             fn = jax.jit(lambda q, kp, vp, pages, ntok, cfg=cfg: pdk.paged_decode_partials(
                 q, kp, vp, *metas, pages, ntok, fmt=fmt, cfg=cfg))
             try:
                 ms = bench(fn, q, kp, vp, pages, ntok, reps=10)
             except Exception as e:  # report and keep sweeping
-                print(f"K{kb}V{vb} tpb={tpb} w={warps} st={stages} sp={splits} {lg}: "
+                print(f"K{kb}V{vb} tpb={tpb} w={warps} st={stages} sp={splits} {lg} {cv}: "
                       f"FAILED {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
                 continue
             tb = nbytes * S * H / (ms * 1e-3) / 1e12
             rows.append(dict(tier=tier, tpb=tpb, warps=warps, stages=stages, splits=splits,
-                             logits=lg, prefetch=pf, dequant=dq, ms=ms, tbps=tb))
+                             logits=lg, prefetch=pf, dequant=dq, convert=cv, skip=list(skip),
+                             ms=ms, tbps=tb))
             print(f"K{kb}V{vb} tpb={tpb:3d} w={warps} st={stages} sp={splits} pf={pf} dq={dq} "
-                  f"{lg:5s} "
+                  f"{lg:5s} {cv:5s} skip={'+'.join(skip) or '-':14s} "
                   f"{ms:7.3f} ms {tb:5.2f} TB/s", flush=True)
         del kp, vp
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
     print("\nbest per tier and logits mode:")
-    for tier in args.tiers.split(","):
-        for lg in args.logits.split(","):
-            cands = [r for r in rows if r["tier"] == tier and r["logits"] == lg]
-            if cands:
-                b = min(cands, key=lambda r: r["ms"])
-                print(f"  {tier:9s} {lg:9s} {b['ms']:.3f} ms {b['tbps']:.2f} TB/s  tpb={b['tpb']} "
-                      f"w={b['warps']} st={b['stages']} sp={b['splits']} pf={b['prefetch']} "
-                      f"dq={b['dequant']}")
+    for tier, lg, cv in itertools.product(args.tiers.split(","), args.logits.split(","),
+                                          args.convert.split(",")):
+        cands = [r for r in rows if r["tier"] == tier and r["logits"] == lg
+                 and r["convert"] == cv]
+        if cands:
+            b = min(cands, key=lambda r: r["ms"])
+            print(f"  {tier:9s} {lg:5s} {cv:5s} {b['ms']:.3f} ms {b['tbps']:.2f} TB/s  "
+                  f"tpb={b['tpb']} w={b['warps']} st={b['stages']} sp={b['splits']} "
+                  f"pf={b['prefetch']} dq={b['dequant']}")
     return 0
 
 

@@ -38,17 +38,29 @@ def test_kernel_matches_reference(bits, D, G, splits):
                  prefetch=splits == 2)
 
 
+@pytest.mark.parametrize("bits", [(8, 4), (4, 2), (8, 8), (2, 2)])
+@pytest.mark.parametrize("D,G,splits", [(64, 3, 1), (128, 4, 2)])
+def test_magic_code_conversion_matches_reference(bits, D, G, splits):
+    # 16-bit dots take the magic path (codes as float16 1024 + c, q and p * scale
+    # rounded to float16): relative errors around 1e-3 of the output scale.
+    check_kernel(bits, D, G, splits, interpret=True, dot_dtype="bfloat16", tol=3e-3,
+                 dequant=False)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("convert", ["magic", "cvt"])
 @pytest.mark.parametrize("bits", FORMATS)
 @pytest.mark.parametrize("D,G,splits", [(64, 3, 1), (128, 4, 2), (128, 8, 4), (64, 1, 2)])
-def test_compiled_kernel_matches_reference_on_gpu(bits, D, G, splits):
+def test_compiled_kernel_matches_reference_on_gpu(bits, D, G, splits, convert):
     # bf16 operands (q and the probabilities rounded to bf16, codes exact), float32
     # accumulation: relative errors around 1e-2 of the output scale.
     check_kernel(bits, D, G, splits, interpret=False, dot_dtype="bfloat16", tol=3e-2,
-                 prefetch=splits == 2)
+                 prefetch=splits == 2, dequant=convert == "cvt" and G % 2 == 0,
+                 convert=convert)
 
 
-def check_kernel(bits, D, G, splits, interpret, dot_dtype, tol, prefetch=False):
+def check_kernel(bits, D, G, splits, interpret, dot_dtype, tol, prefetch=False, dequant=None,
+                 convert="magic"):
     rng = np.random.default_rng(hash((bits, D, G, splits)) % 2**32)
     kb, vb = bits
     cap = 8
@@ -61,7 +73,8 @@ def check_kernel(bits, D, G, splits, interpret, dot_dtype, tol, prefetch=False):
     n_tok = jnp.asarray([[0, 5], [NP * cap, 17], [33, 9]], jnp.int32)  # ragged, incl. empty
     q = jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32)
     cfg = pdk.LaunchConfig(pages_per_block=2, num_splits=splits, dot_dtype=dot_dtype,
-                           prefetch=prefetch, dequant_in_registers=G % 2 == 0)
+                           prefetch=prefetch, code_convert=convert,
+                           dequant_in_registers=G % 2 == 0 if dequant is None else dequant)
     qk = q if interpret else pdk.pad_group(q, 16)
     o, m, l, logits = pdk.paged_decode_partials(qk, *pools, pages, n_tok, fmt=fmt, cfg=cfg,
                                                 interpret=interpret)

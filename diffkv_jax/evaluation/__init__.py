@@ -1,0 +1,1 @@
+"""Offline evaluation: benchmark data, per-task scoring, metrics and reports."""
