@@ -137,7 +137,7 @@ def _run(args) -> int:
                                args.max_new_tokens, stop) for i in range(len(prompts))]
     for s in sampling:
         s.validate()
-    options = {}
+    options = {"attention_impl": args.attention}
     if args.kv == "diffkv":
         low_off = args.low_bits.lower() == "off"
         options = dict(alpha_high=args.alpha_high, alpha_low=args.alpha_low, window=args.window,

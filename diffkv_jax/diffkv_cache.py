@@ -42,6 +42,7 @@ from diffkv_jax import diffkv_policy as pol
 from diffkv_jax import free_list as fl
 from diffkv_jax import quantization as qz
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
+from diffkv_jax.pool_writes import scatter_set
 from diffkv_jax.unified_page import Tier, UnifiedPageLayout
 
 HI, LO = 0, 1
@@ -188,23 +189,31 @@ class DiffKVCache:
         return (self.high, self.low)[t]
 
     def _write_tokens(self, state: DiffKVState, tier: int, page, slot, k, v, score, pos):
-        """Quantize ``k, v [..., D]`` to ``tier`` and scatter them to ``(page, slot)``."""
+        """Quantize ``k, v [..., D]`` to ``tier`` and scatter them to ``(page, slot)``.
+
+        A page ID past the pool (:meth:`no_page`) drops the write: prefill sends
+        every token it does not store there, so the dropped writes neither cost
+        memory traffic nor pile up on one location.
+        """
         lay, t = self.layout, self._tier(tier)
         kp, ks, kz = qz.quantize_packed(k, t.k_bits)
         vp, vs, vz = qz.quantize_packed(v, t.v_bits)
-        kw, vw, tb = lay.key_width(tier), lay.value_width(tier), lay.token_bytes(tier)
-        kcol = slot[..., None] * tb + jnp.arange(kw)
-        vcol = slot[..., None] * tb + kw + jnp.arange(vw)
-        data = state.data.at[page[..., None], kcol].set(kp)
-        data = data.at[page[..., None], vcol].set(vp)
+        tb = lay.token_bytes(tier)
+        # One window of token_bytes per token: [packed key | packed value].
+        row = jnp.concatenate([kp, vp], axis=-1)
+        data = _scatter_rows(state.data, page, slot * tb, row)
+        at = (page, slot)
         return state.replace(
             data=data,
-            k_scale=state.k_scale.at[page, slot].set(ks),
-            k_zero=state.k_zero.at[page, slot].set(kz),
-            v_scale=state.v_scale.at[page, slot].set(vs),
-            v_zero=state.v_zero.at[page, slot].set(vz),
-            scores=state.scores.at[page, slot].set(score.astype(jnp.float32)),
-            positions=state.positions.at[page, slot].set(pos.astype(jnp.int32)))
+            k_scale=scatter_set(state.k_scale, at, ks), k_zero=scatter_set(state.k_zero, at, kz),
+            v_scale=scatter_set(state.v_scale, at, vs), v_zero=scatter_set(state.v_zero, at, vz),
+            scores=scatter_set(state.scores, at, score),
+            positions=scatter_set(state.positions, at, pos))
+
+    @staticmethod
+    def no_page(state: DiffKVState) -> int:
+        """A page ID past the pool: writes to it are dropped."""
+        return state.data.shape[0]
 
     def _read_tokens(self, state: DiffKVState, tier: int, page, slot):
         """Dequantized ``(k, v)`` float32 ``[..., D]`` stored at ``(page, slot)``."""
@@ -212,7 +221,7 @@ class DiffKVCache:
         kw, tb = lay.key_width(tier), lay.token_bytes(tier)
         # One gather of the whole token row: every later write to the pool then
         # depends on this read, so XLA can update the pool in place.
-        row = state.data[page[..., None], slot[..., None] * tb + jnp.arange(tb)]
+        row = _gather_rows(state.data, page, slot * tb, tb)
         kb, vb = row[..., :kw], row[..., kw:]
         k = qz.dequantize_packed(kb, state.k_scale[page, slot], state.k_zero[page, slot],
                                  t.k_bits, D)
@@ -285,7 +294,6 @@ class DiffKVCache:
         """
         B, T = batch.tokens.shape
         H = self.num_kv_heads
-        trash = self.trash_page(state)
         pos = jnp.arange(T, dtype=jnp.int32)
         L_b = batch.lengths[:, None, None]
         counts = pol.query_counts(self.policy, pos[None, None, :], L_b, L_b - 1)
@@ -306,8 +314,8 @@ class DiffKVCache:
         lo_idx = jnp.clip(set_size - 1 - slot_l // cap_l, 0, c - 1)
         lo_page = jnp.take_along_axis(row_ids, lo_idx, axis=-1)
         ok = row_ids[..., :1] >= 0  # allocation succeeded for this row
-        hi_page = jnp.where(is_h & ok, hi_page, trash)
-        lo_page = jnp.where(is_l & ok, lo_page, trash)
+        hi_page = jnp.where(is_h & ok, hi_page, self.no_page(state))
+        lo_page = jnp.where(is_l & ok, lo_page, self.no_page(state))
         kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, H, T, D]
         posb = jnp.broadcast_to(pos, tier.shape)
         state = self._write_tokens(state, HI, hi_page, jnp.maximum(slot_h, 0) % cap_h,
@@ -387,7 +395,8 @@ class DiffKVCache:
           p_new: ``[S, H]`` the newcomer's own probability; active: ``[S]``.
         """
         S = self.max_seqs
-        trash = self.trash_page(state)
+        # Writes of inactive rows and empty slots go nowhere (dropped).
+        skip = self.no_page(state)
         act = active[:, None]
         sc_hi = hi.scores + jnp.where(hi.valid, p_hi, 0.0)
         sc_lo = lo.scores + jnp.where(lo.valid, p_lo, 0.0)
@@ -399,12 +408,13 @@ class DiffKVCache:
         d = pol.decode_decision(self.policy, sc_hi / cnt(hi.positions), hi.positions, hi.valid,
                                 sc_lo / cnt(lo.positions), lo.positions, lo.valid,
                                 n_hi_tok, n_lo_tok, jnp.broadcast_to(cur[:, None], n_hi_tok.shape))
-        # 1. write back accumulated scores (inactive rows to the trash page).
+        # 1. write back accumulated scores.
         state = state.replace(scores=state.scores.at[
-            jnp.where(act[..., None] & hi.valid, hi.ids, trash), hi.slot].set(sc_hi))
+            jnp.where(act[..., None] & hi.valid, hi.ids, skip), hi.slot].set(sc_hi, mode="drop"))
         if lo.ids.shape[-1]:
             state = state.replace(scores=state.scores.at[
-                jnp.where(act[..., None] & lo.valid, lo.ids, trash), lo.slot].set(sc_lo))
+                jnp.where(act[..., None] & lo.valid, lo.ids, skip), lo.slot].set(sc_lo,
+                                                                                 mode="drop"))
         # 2. demoted victim -> its low slot (re-quantized from its stored high codes).
         if self.policy.low_tier:
             vh = jnp.maximum(d["victim_high"], 0)
@@ -417,7 +427,7 @@ class DiffKVCache:
             lo_rows = state.page_table[:S, layer]  # [S, H, R]
             lo_col = self.row_len - 1 - ls // cap_l
             lo_page = jnp.take_along_axis(lo_rows, lo_col[..., None], axis=-1)[..., 0]
-            lo_page = jnp.where(demote, lo_page, trash)
+            lo_page = jnp.where(demote, lo_page, skip)
             state = self._write_tokens(state, LO, lo_page, ls % cap_l, vk, vv,
                                        take(sc_hi), take(hi.positions))
         # 3. newcomer -> high slot (victim's slot or appended).
@@ -425,7 +435,7 @@ class DiffKVCache:
         ns = d["new_slot"]
         hi_rows = state.page_table[:S, layer]
         hi_page = jnp.take_along_axis(hi_rows, (ns // cap_h)[..., None], axis=-1)[..., 0]
-        hi_page = jnp.where(act, hi_page, trash)
+        hi_page = jnp.where(act, hi_page, skip)
         state = self._write_tokens(state, HI, hi_page, ns % cap_h, k_new, v_new, p_new,
                                    jnp.broadcast_to(cur[:, None], ns.shape))
         n_tok = state.n_tok.at[:S, layer].set(jnp.where(
@@ -476,9 +486,22 @@ class DiffKVCache:
     def memory_stats(self, state: DiffKVState) -> dict[str, Any]:
         """Measured bytes and tier fractions of the live sequences (host-side numbers)."""
         S = self.max_seqs
-        seq_len = np.asarray(jax.device_get(state.seq_len))[:S]
-        n_tok = np.asarray(jax.device_get(state.n_tok))[:S]
-        n_pages = np.asarray(jax.device_get(state.n_pages))[:S]
+        seq_len, n_tok, n_pages = map(np.asarray, jax.device_get(
+            (state.seq_len, state.n_tok, state.n_pages)))
+        return self._stats(seq_len[:S], n_tok[:S], n_pages[:S])
+
+    def slot_memory_stats(self, state: DiffKVState, slots) -> list[dict[str, Any]]:
+        """:meth:`memory_stats` of each slot in ``slots`` alone (one host transfer).
+
+        Summed over the live slots, the byte and token counts are :meth:`memory_stats`'.
+        """
+        seq_len, n_tok, n_pages = map(np.asarray, jax.device_get(
+            (state.seq_len, state.n_tok, state.n_pages)))
+        return [self._stats(seq_len[s:s + 1], n_tok[s:s + 1], n_pages[s:s + 1]) for s in slots]
+
+    def _stats(self, seq_len: np.ndarray, n_tok: np.ndarray, n_pages: np.ndarray
+               ) -> dict[str, Any]:
+        """Accounting of the slots given: ``seq_len [n]``, ``n_tok, n_pages [n, L, H, 2]``."""
         rows = self.num_layers * self.num_kv_heads
         total = int(seq_len.sum()) * rows
         high, low = int(n_tok[..., HI].sum()), int(n_tok[..., LO].sum())
@@ -496,6 +519,29 @@ class DiffKVCache:
             "frac_low": low / max(total, 1),
             "frac_pruned": 1 - (high + low) / max(total, 1),
         }
+
+
+def _scatter_rows(data, page, start, rows):
+    """``data[page, start : start + w] = rows`` for every index (``rows [..., w]``).
+
+    A windowed scatter (one index pair per row, not per byte); rows whose page
+    is out of range are dropped.
+    """
+    w = rows.shape[-1]
+    idx = jnp.stack([page, start], axis=-1).reshape(-1, 2).astype(jnp.int32)
+    dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                            scatter_dims_to_operand_dims=(0, 1))
+    return jax.lax.scatter(data, idx, rows.reshape(-1, w).astype(data.dtype), dnums,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def _gather_rows(data, page, start, width: int):
+    """``data[page, start : start + width]`` for every index: ``[..., width]``."""
+    idx = jnp.stack([page, start], axis=-1).astype(jnp.int32)
+    dnums = jax.lax.GatherDimensionNumbers(offset_dims=(idx.ndim - 1,), collapsed_slice_dims=(0,),
+                                           start_index_map=(0, 1))
+    return jax.lax.gather(data, idx, dnums, slice_sizes=(1, width),
+                          mode=jax.lax.GatherScatterMode.CLIP)
 
 
 def prompt_scores(q, k, lengths, obs_window):

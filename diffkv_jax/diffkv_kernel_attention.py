@@ -1,9 +1,12 @@
-"""DiffKV decode attention through the Pallas paged decode kernel.
+"""Decode attention of the cache methods through the Pallas paged decode kernel.
 
-The same contract as :func:`diffkv_jax.diffkv_cache.compressed_decode_attention`
-(output plus per-token group-max probabilities for both tiers and the new
-token), computed by one kernel launch per tier straight from the packed pages,
-then an exact merge with the token being decoded (kept in full precision).
+:func:`kernel_decode_attention` has the contract of
+:func:`diffkv_jax.diffkv_cache.compressed_decode_attention` (output plus
+per-token group-max probabilities for both tiers and the new token), computed
+by one kernel launch per tier straight from the packed pages, then an exact
+merge with the token being decoded (kept in full precision).
+:func:`full_decode_attention` is the uncompressed cache's counterpart (16-bit
+pages, no probabilities), so both methods run on equally good kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +27,35 @@ def _splits(S: int, H: int, n_pages: int, npb: int, target: int = 264) -> int:
     while S * H * k < target and n_pages % (2 * k * npb) == 0:
         k *= 2
     return k
+
+
+def full_decode_attention(q, k_pages, v_pages, page_ids, lengths):
+    """:func:`diffkv_jax.attention.paged_decode_attention` through the kernel.
+
+    ``q [S, nq, D]``; ``k_pages, v_pages [P, page_size, D]``; ``page_ids [S, H, n]``;
+    ``lengths [S]`` tokens to attend to (>= 1). Returns ``[S, nq, D]`` float32.
+    """
+    S, nq, D = q.shape
+    H, n = page_ids.shape[1], page_ids.shape[2]
+    G = nq // H
+    gpu = backend.on_gpu()
+    ps = k_pages.shape[1]
+    qf = q.astype(jnp.float32).reshape(S, H, G, D)
+    qg = pdk.pad_group(qf, 16) if gpu else qf
+    npb = max(1, 64 // ps)
+    npad = -(-n // npb) * npb
+    if npad != n:  # extra columns read the last page; masked by the token count
+        page_ids = jnp.concatenate(
+            [page_ids, jnp.broadcast_to(page_ids[..., -1:], (S, H, npad - n))], axis=-1)
+    fmt = pdk.TierFormat(16, 16, D, ps)
+    cfg = pdk.LaunchConfig(pages_per_block=npb, num_splits=_splits(S, H, npad, npb),
+                           dot_dtype="bfloat16" if gpu else "float32", emit_logits=False,
+                           prefetch=gpu)
+    ntok = jnp.broadcast_to(lengths[:, None], (S, H)).astype(jnp.int32)
+    o, m, l, _ = pdk.paged_decode_partials(qg, k_pages, v_pages, None, None, None, None,
+                                           page_ids, ntok, fmt=fmt, cfg=cfg)
+    out, _, _ = pdk.merge_partials([(o, m, l)])
+    return out[:, :, :G].reshape(S, nq, D)
 
 
 def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: int):

@@ -50,6 +50,18 @@ class Request:
     slot: int | None = None
     preemptions: int = 0
     admitted_at: int = -1  # scheduling order, newest admitted is preempted first
+    # The cache's accounting (``method.slot_memory_stats``) of this request's pages
+    # when it left its slot for good (finished or cancelled); None before. A row's
+    # pages never shrink while it decodes, so this is also the most it held.
+    kv_stats: dict | None = None
+
+    @property
+    def kv_bytes(self) -> int | None:
+        """Measured cache bytes this request held: its pages (data + per-token
+        metadata) plus its page-table rows; None until it has finished."""
+        if self.kv_stats is None:
+            return None
+        return self.kv_stats["page_bytes"] + self.kv_stats["table_bytes"]
 
     @property
     def context(self) -> list[int]:
@@ -252,6 +264,9 @@ class Engine(Generator):
             stats = self.method.memory_stats(self.state)
             if stats["page_bytes"] >= self.peak_memory.get("page_bytes", -1):
                 self.peak_memory = stats
+            # Read once per finishing step, before the pages go back to the pool.
+            for s, st in zip(slots, self.method.slot_memory_stats(self.state, slots)):
+                self.requests[self.slots[s]].kv_stats = st
         mask = np.zeros(self.method.max_seqs + 1, bool)
         mask[slots] = True
         self.state = self._run("release", None, self.steps.release, self.state,

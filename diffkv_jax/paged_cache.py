@@ -29,6 +29,7 @@ from flax import struct
 from diffkv_jax import attention as attn_ref
 from diffkv_jax import free_list as fl
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
+from diffkv_jax.pool_writes import scatter_set
 
 
 @struct.dataclass
@@ -54,6 +55,9 @@ class FullCache:
       max_context: longest sequence a slot may hold (prompt + generated).
       page_size: tokens per page.
       dtype: storage dtype name ("float32", "bfloat16").
+      attention_impl: "reference" (plain jnp: gathers the pages) or "pallas" (the
+        paged decode kernel of pallas_kernels/paged_decode.py; interpret mode
+        off the GPU).
     """
 
     num_layers: int
@@ -63,8 +67,16 @@ class FullCache:
     max_context: int
     page_size: int = 16
     dtype: str = "float32"
+    attention_impl: str = "reference"
 
     name = "full"
+
+    def __post_init__(self):
+        if self.attention_impl not in ("reference", "pallas"):
+            raise ValueError(f"attention_impl must be 'reference' or 'pallas', "
+                             f"got {self.attention_impl!r}")
+        if self.attention_impl == "pallas" and self.head_dim % 16:
+            raise ValueError("the Pallas kernel needs head_dim % 16 == 0")
 
     # ---- geometry -------------------------------------------------------------
     @property
@@ -134,13 +146,14 @@ class FullCache:
         rows = state.page_table[batch.slots, layer]  # [B, H, R]
         page = jnp.take_along_axis(rows, jnp.broadcast_to((t // self.page_size)[None, None],
                                                           (B, rows.shape[1], T)), axis=2)
+        # Padding goes past the pool and is dropped: piling every padded token onto
+        # one page serializes the scatter on the GPU.
         page = jnp.where(t[None, None, :] < batch.lengths[:, None, None], page,
-                         self.trash_page(state))
+                         state.k_pages.shape[0])
         page = page.transpose(0, 2, 1)  # [B, T, H]
         off = jnp.broadcast_to((t % self.page_size)[None, :, None], page.shape)
-        dt = state.k_pages.dtype
-        return state.replace(k_pages=state.k_pages.at[page, off].set(k.astype(dt)),
-                             v_pages=state.v_pages.at[page, off].set(v.astype(dt)))
+        return state.replace(k_pages=scatter_set(state.k_pages, (page, off), k),
+                             v_pages=scatter_set(state.v_pages, (page, off), v))
 
     def end_prefill(self, state: PagedKVState, batch: PrefillBatch) -> PagedKVState:
         lengths = state.lengths.at[batch.slots].set(batch.lengths)
@@ -161,12 +174,16 @@ class FullCache:
         page = jnp.take_along_axis(rows, (pos // self.page_size)[:, None, None], axis=2)[..., 0]
         page = jnp.where(batch.active[:, None], page, self.trash_page(state))  # [S, H]
         off = jnp.broadcast_to((pos % self.page_size)[:, None], page.shape)
-        dt = state.k_pages.dtype
-        state = state.replace(k_pages=state.k_pages.at[page, off].set(k[:, 0].astype(dt)),
-                              v_pages=state.v_pages.at[page, off].set(v[:, 0].astype(dt)))
+        state = state.replace(k_pages=scatter_set(state.k_pages, (page, off), k[:, 0]),
+                              v_pages=scatter_set(state.v_pages, (page, off), v[:, 0]))
         ids = rows[:, :, :batch.num_page_slots]
-        out = attn_ref.paged_decode_attention(q[:, 0], state.k_pages, state.v_pages, ids,
-                                              jnp.maximum(pos + 1, 1))
+        if self.attention_impl == "pallas":
+            from diffkv_jax.diffkv_kernel_attention import full_decode_attention
+
+            attend = full_decode_attention
+        else:
+            attend = attn_ref.paged_decode_attention
+        out = attend(q[:, 0], state.k_pages, state.v_pages, ids, jnp.maximum(pos + 1, 1))
         return state, out[:, None]
 
     def end_decode(self, state: PagedKVState, batch: DecodeBatch) -> PagedKVState:
@@ -205,7 +222,20 @@ class FullCache:
     def memory_stats(self, state: PagedKVState) -> dict[str, Any]:
         """Measured bytes of the cache held by live sequences (host-side numbers)."""
         lengths = np.asarray(jax.device_get(state.lengths))[: self.max_seqs]
-        pages = int(np.asarray(jax.device_get(state.num_pages)).sum())
+        num_pages = np.asarray(jax.device_get(state.num_pages))[: self.max_seqs]
+        return self._stats(lengths, num_pages)
+
+    def slot_memory_stats(self, state: PagedKVState, slots) -> list[dict[str, Any]]:
+        """:meth:`memory_stats` of each slot in ``slots`` alone (one host transfer).
+
+        Summed over the live slots, these are :meth:`memory_stats`.
+        """
+        lengths, num_pages = map(np.asarray, jax.device_get((state.lengths, state.num_pages)))
+        return [self._stats(lengths[s:s + 1], num_pages[s:s + 1]) for s in slots]
+
+    def _stats(self, lengths: np.ndarray, num_pages: np.ndarray) -> dict[str, Any]:
+        """Accounting of the slots given: ``lengths [n]``, ``num_pages [n, L, KVH]``."""
+        pages = int(num_pages.sum())
         tokens = int(lengths.sum())
         table_bytes = int(np.count_nonzero(lengths)) * self.num_layers * self.num_kv_heads \
             * self.row_len * 4

@@ -127,7 +127,12 @@ class LlamaForCausalLM(nn.Module):
                               embedding_init=nn.initializers.normal(0.02))
         scanned = nn.scan(DecoderLayer, variable_axes={"params": 0},
                           split_rngs={"params": True}, in_axes=(0, nn.broadcast),
-                          length=cfg.num_layers)
+                          length=cfg.num_layers,
+                          # The invariance check traces the body once more and, since
+                          # JAX keeps every pallas_call alive under dead-code
+                          # elimination, mistakes a kernel in the body for a
+                          # dependency; nothing here is broadcast out of the scan.
+                          check_constancy_invariants=False)
         self.layers = scanned(cfg, self.attention_fn, self.dtype, self.param_dtype)
         self.final_norm = RMSNorm(cfg.rms_norm_eps, dtype=self.dtype,
                                   param_dtype=self.param_dtype)

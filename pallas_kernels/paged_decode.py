@@ -292,10 +292,12 @@ def paged_decode_partials(q, k_pool, v_pool, k_scale, k_zero, v_scale, v_zero, p
     cap = fmt.slots
     rows_out = G
     for pool in (k_pool, v_pool):
-        if pool.size >= 2**31:
-            # The Triton lowering indexes refs with 32-bit offsets.
-            raise ValueError(f"pool of {pool.size} elements exceeds the 2^31 elements one "
-                             "kernel launch can address; split the pool")
+        # The Triton lowering indexes a ref with 32-bit signed element offsets unless
+        # it holds more than 2^32 bytes; in between, offsets would overflow.
+        if pool.size >= 2**31 and pool.size * pool.dtype.itemsize <= 2**32:
+            raise ValueError(f"a pool of {pool.size} elements of {pool.dtype.itemsize} bytes "
+                             "cannot be addressed by one kernel launch (32-bit offsets); "
+                             "use a pool under 2^31 elements or over 4 GiB")
     s_cols = pps * cap if cfg.emit_logits else 1
     quant = fmt.quantized
     dummy = jnp.zeros((1, 1), jnp.float16)

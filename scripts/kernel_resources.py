@@ -18,11 +18,37 @@ import functools
 import io
 import itertools
 import os
+import re
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MARK = "The Triton module for pallas_call"
+
+
+def strip_locations(ir: str) -> str:
+    """The module alone, without the pretty-printed source locations ``triton`` cannot parse."""
+    lines = ir.split("\n")
+    start = next(i for i, line in enumerate(lines) if line.startswith("module @"))
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("}"))
+    text = "\n".join(lines[start:end + 1])
+    text = re.sub(r' "[^"\n]*"\(#loc\d+\)', "", text)
+    text = re.sub(r" loc\([^()\n]*(\([^()\n]*\)[^()\n]*)*\)", "", text)
+    text = re.sub(r" \[unknown\]", "", text)
+    text = re.sub(r" #loc\d*", "", text)
+    return re.sub(r" /[^ \n]*\.py:\d+:\d+( to :?\d+(:\d+)?)?", "", text)
+
+
+def ptxas_report(triton_module, ptx_path: str) -> tuple[int, int]:
+    """(registers, spill-store bytes) from the ``ptxas`` bundled with ``triton``."""
+    ptxas = os.path.join(os.path.dirname(triton_module.__file__), "backends", "nvidia", "bin",
+                         "ptxas")
+    rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull],
+                         capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", rep)
+    spill = re.search(r"(\d+) bytes spill stores", rep)
+    return (int(regs.group(1)) if regs else -1), (int(spill.group(1)) if spill else -1)
 
 
 def triton_ir(fn, *args) -> str:
@@ -69,7 +95,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     D, G = args.head_dim, args.group
     print(f"{'tier':9s} {'tpb':>4s} {'w':>2s} {'st':>2s} {'pf':>2s} {'skip':22s} {'regs':>5s} "
-          f"{'spills':>6s} {'smem B':>7s} {'blocks/SM':>9s}")
+          f"{'spill B':>7s} {'smem B':>7s} {'blocks/SM':>9s}")
     for tier, tpb, warps, stages, pf, skip in itertools.product(
             args.tiers.split(","), (int(x) for x in args.tokens_per_block.split(",")),
             (int(x) for x in args.warps.split(",")), (int(x) for x in args.stages.split(",")),
@@ -97,7 +123,7 @@ def main() -> int:
         name = f"{tier}_tpb{tpb}_w{warps}_st{stages}_pf{pf}_{skip.replace('+', '-')}"
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
-            fh.write(triton_ir(fn, q, kp, pages, ntok))
+            fh.write(strip_locations(triton_ir(fn, q, kp, pages, ntok)))
         line = f"{tier:9s} {tpb:4d} {warps:2d} {stages:2d} {pf:2d} {skip:22s}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")
@@ -111,7 +137,8 @@ def main() -> int:
         for ext in ("ttgir", "ptx"):
             with open(os.path.join(args.out, f"{name}.{ext}"), "w") as fh:
                 fh.write(k.asm[ext])
-        regs, spills, smem = k.n_regs, k.n_spills, k.metadata.shared
+        regs, spills = ptxas_report(triton, os.path.join(args.out, f"{name}.ptx"))
+        smem = k.metadata.shared
         blocks = min(65536 // max(1, regs * 32 * warps), 232448 // max(1, smem + 1024), 32)
         print(line + f" {regs:5d} {spills:6d} {smem:7d} {blocks:9d}", flush=True)
     return 0

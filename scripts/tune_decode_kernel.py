@@ -31,6 +31,8 @@ def main() -> int:
     p.add_argument("--convert", default="magic,cvt", help="code conversion (LaunchConfig)")
     p.add_argument("--skip", default="", help="diagnostics: ';'-separated sets of stages to "
                    "leave out, each '+'-joined (v, softmax, meta, k_dot); '-' = none")
+    p.add_argument("--sequential-pages", action="store_true",
+                   help="diagnostics: rows own consecutive pages instead of random ones")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -62,7 +64,8 @@ def main() -> int:
                           for _ in range(4))
             nbytes = N * (kw + vw + 8)
         fmt = pdk.TierFormat(kb, vb, D, cap, 0, 0 if kb == 16 else D * kb // 8)
-        pages = jax.random.permutation(key, P).reshape(S, H, npr).astype(jnp.int32)
+        order = jnp.arange(P) if args.sequential_pages else jax.random.permutation(key, P)
+        pages = order.reshape(S, H, npr).astype(jnp.int32)
         ntok = jnp.full((S, H), N, jnp.int32)
         skips = [() if x == "-" else tuple(x.split("+"))
                  for x in (args.skip.split(";") if args.skip else ["-"])]

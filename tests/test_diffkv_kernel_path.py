@@ -34,3 +34,24 @@ def test_pallas_impl_rejects_unfit_tiers():
 
     with pytest.raises(ValueError, match="Pallas"):
         DiffKVCache(1, 1, 16, 1, 64, high=Tier(8, 4), low=Tier(8, 2), attention_impl="pallas")
+
+
+def test_full_cache_kernel_path_matches_reference_path(tiny_model):
+    cfg, params = tiny_model
+    rng = np.random.default_rng(4)
+    docs = [list(rng.integers(0, cfg.vocab_size, size=90)) for _ in range(2)]
+    ref = make_method("full", cfg, max_seqs=2, max_context=128, page_size=8)
+    ker = dataclasses.replace(ref, attention_impl="pallas")
+    a = score_teacher_forced(cfg, params, ref, docs, 10, progress=False)
+    b = score_teacher_forced(cfg, params, ker, docs, 10, progress=False)
+    # Uncompressed, float32 dots: the two paths differ only in summation order.
+    assert np.abs(a.nll - b.nll).max() < 1e-4
+    assert (a.argmax == b.argmax).all()
+
+
+def test_full_cache_rejects_unknown_attention_impl():
+    from models.config import PRESETS
+
+    with pytest.raises(ValueError, match="attention_impl"):
+        make_method("full", PRESETS["smollm2-135m"], max_seqs=1, max_context=16,
+                    attention_impl="fast")

@@ -112,3 +112,32 @@ def test_group_padding_does_not_change_results():
     assert np.allclose(a[0], b[0][:, :, :, :3], atol=1e-5)
     valid = np.arange(32)[None, None, None, :] < np.asarray(n_tok)[:, :, None, None]
     assert np.allclose(np.where(valid, a[3], 0), np.where(valid, b[3][:, :, :3], 0), atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_pool_over_4gib_is_addressed_with_64bit_offsets_on_gpu():
+    # A 4.5 GiB byte pool; the rows' pages sit past the 2^31-element mark, where
+    # 32-bit offsets would wrap around.
+    D, cap = 128, 32
+    fmt = pdk.TierFormat(8, 4, D, cap, k_offset=0, v_offset=D)
+    width = D + D // 2
+    P = (9 * 2**29) // (cap * width) + 1
+    pool = jnp.zeros((P, cap, width), jnp.uint8)
+    rng = np.random.default_rng(7)
+    tail = jnp.asarray(rng.integers(0, 256, size=(8, cap, width)), jnp.uint8)
+    pool = pool.at[P - 8:].set(tail)
+    meta = [jnp.asarray(rng.uniform(0.01, 0.1, (P, cap)), jnp.float16) for _ in range(4)]
+    pages = jnp.asarray(P - 8 + rng.permutation(8), jnp.int32).reshape(1, 1, 8)
+    n_tok = jnp.asarray([[8 * cap - 5]], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(1, 1, 4, D)), jnp.float32)
+    cfg = pdk.LaunchConfig(pages_per_block=2)
+    o, m, l, _ = pdk.paged_decode_partials(pdk.pad_group(q, 16), pool, pool, *meta, pages,
+                                           n_tok, fmt=fmt, cfg=cfg)
+    kh = qz.dequantize_packed(pool[pages[0, 0]][..., :D], meta[0][pages[0, 0]],
+                              meta[1][pages[0, 0]], 8, D).reshape(1, 1, 8 * cap, D)
+    vh = qz.dequantize_packed(pool[pages[0, 0]][..., D:], meta[2][pages[0, 0]],
+                              meta[3][pages[0, 0]], 4, D).reshape(1, 1, 8 * cap, D)
+    ro, rm, rl, _ = pdk.tier_attention_reference(q, kh, vh, n_tok)
+    out = pdk.merge_partials([(o[:, :, :, :4], m[..., :4], l[..., :4])])[0]
+    ref = pdk.merge_partials([(ro, rm, rl)])[0]
+    assert np.abs(np.asarray(out) - np.asarray(ref)).max() <= 3e-2 * float(np.abs(ref).max())

@@ -1,0 +1,217 @@
+#!/usr/bin/env python
+"""End-to-end serving throughput of the engine, one cache method after another.
+
+Every method gets the same KV memory budget and the same requests: prompts
+with the token-length distribution of MATH-500 problems
+(``scripts/workloads/math500_prompt_tokens.json``), random token ids, and a
+fixed number of generated tokens with EOS ignored (as DiffKV's own benchmark
+does). Weights are random with the model's real architecture, generated on
+the device, unless ``--model-path`` gives a checkpoint.
+
+    python scripts/bench_throughput.py --model llama3-8b --methods full,diffkv \\
+        --kv-budget-gb 8 --num-requests 384 --output-len 4096 --time-limit 300
+
+Per method it reports generated tokens/s (decode and overall, compilation
+excluded), finished requests/s, the running batch over time (achieved batch),
+time to first token and per-token latency percentiles, the host share of the
+step (engine wall time outside the jitted decode call), and the cache's tier
+mix and bytes at its peak. A compact table is printed last; JSON and plots go
+to ``--out``.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+WORKLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads",
+                        "math500_prompt_tokens.json")
+
+
+def parse_methods(text: str):
+    """``full,diffkv:alpha_high=1.5;low=off`` -> [(label, name, options)]."""
+    out = []
+    for item in text.split(","):
+        label = item
+        name, _, opts = item.partition(":")
+        options = {}
+        for kv in filter(None, opts.split(";")):
+            k, _, v = kv.partition("=")
+            try:
+                options[k] = json.loads(v)
+            except json.JSONDecodeError:
+                options[k] = v
+        out.append((label, name, options))
+    return out
+
+
+def percentile(xs, q):
+    import numpy as np
+
+    return float(np.percentile(np.asarray(xs, float), q)) if len(xs) else float("nan")
+
+
+def run_method(label, name, options, cfg, params, args, prompts):
+    import jax
+    import jax.numpy as jnp
+
+    from diffkv_jax.engine import Engine
+    from diffkv_jax.generation import SamplingParams
+    from diffkv_jax.methods import make_method
+
+    dtype = jnp.bfloat16
+    max_context = max(len(p) for p in prompts) + args.output_len + 1
+    options = dict(options)
+    options.setdefault("attention_impl", args.attention)
+    method = make_method(name, cfg, max_seqs=args.max_batch, max_context=max_context,
+                         dtype=dtype, **options)
+    num_pages = max(1, int(args.kv_budget_gb * 2**30) // method.page_bytes)
+    engine = Engine(cfg, params, method, num_pages, dtype=dtype,
+                    max_prefill_batch=args.prefill_batch)
+    sampling = SamplingParams(max_new_tokens=args.output_len, stop_token_ids=())
+    submitted = time.perf_counter()
+    ids = [engine.add_request(p, sampling) for p in prompts]
+    first_token, finished_at = {}, {}
+    batch_trace, step_wall = [], []
+    t_start = time.perf_counter()
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        dec0, comp0 = engine.decode_seconds + engine.prefill_seconds, engine.compile_seconds
+        new = engine.step()
+        t1 = time.perf_counter()
+        running = sum(s is not None for s in engine.slots)
+        device_call = (engine.decode_seconds + engine.prefill_seconds) - dec0
+        compiled = engine.compile_seconds - comp0
+        step_wall.append((t1 - t0 - compiled, device_call))
+        batch_trace.append((t1 - t_start - engine.compile_seconds, running))
+        for rid in new:
+            # Seconds since submission, compilation so far excluded.
+            first_token.setdefault(rid, t1 - submitted - engine.compile_seconds)
+            r = engine.requests[rid]
+            if r.status == "finished":
+                finished_at[rid] = t1 - submitted - engine.compile_seconds
+        if t1 - t_start - engine.compile_seconds > args.time_limit:
+            break
+    wall = time.perf_counter() - t_start - engine.compile_seconds
+    gen_tokens = sum(len(engine.requests[i].output) for i in ids)
+    done = [i for i in ids if engine.requests[i].status == "finished"]
+    # The first token of every request is produced by prefill; the others by decode.
+    itl = [engine.decode_seconds / max(1, len(batch_trace))]
+    walls = [w for w, _ in step_wall]
+    host = sum(max(0.0, w - d) for w, d in step_wall)
+    stats = engine.peak_memory or method.memory_stats(engine.state)
+    ttft = [first_token[i] for i in ids if i in first_token]
+    return dict(
+        method=label, num_pages=num_pages, page_bytes=method.page_bytes,
+        wall_s=wall, compile_s=engine.compile_seconds,
+        generated_tokens=gen_tokens, tokens_per_s=gen_tokens / wall,
+        decode_tokens_per_s=engine.decode_tokens / max(engine.decode_seconds, 1e-9),
+        finished=len(done), requests_per_s=len(done) / wall,
+        mean_batch=sum(b for _, b in batch_trace) / max(1, len(batch_trace)),
+        max_batch=max((b for _, b in batch_trace), default=0),
+        preemptions=sum(engine.requests[i].preemptions for i in ids),
+        steps=len(batch_trace), step_ms_p50=percentile(walls, 50) * 1e3,
+        step_ms_p90=percentile(walls, 90) * 1e3, step_ms_p99=percentile(walls, 99) * 1e3,
+        host_share=host / max(sum(walls), 1e-9),
+        ttft_s_p50=percentile(ttft, 50), ttft_s_p90=percentile(ttft, 90),
+        per_token_ms=itl[0] * 1e3, batch_trace=batch_trace,
+        memory={k: (float(v) if isinstance(v, (int, float)) else v) for k, v in stats.items()
+                if isinstance(v, (int, float, str))},
+    ), engine
+
+
+def plots(results, out):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in results:
+        t = [x for x, _ in r["batch_trace"]]
+        b = [y for _, y in r["batch_trace"]]
+        ax.plot(t, b, label=f"{r['method']} ({r['tokens_per_s']:.0f} tok/s)")
+    ax.set_xlabel("seconds (compilation excluded)")
+    ax.set_ylabel("running requests")
+    ax.set_title("achieved batch size")
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out, "batch_over_time.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama3-8b", help="preset name (random weights)")
+    p.add_argument("--model-path", default=None, help="real checkpoint instead of random")
+    p.add_argument("--methods", default="full,diffkv",
+                   help="comma list; options as name:key=value;key=value")
+    p.add_argument("--attention", default="pallas", choices=("reference", "pallas"))
+    p.add_argument("--kv-budget-gb", type=float, default=8.0)
+    p.add_argument("--num-requests", type=int, default=384)
+    p.add_argument("--output-len", type=int, default=4096)
+    p.add_argument("--max-batch", type=int, default=256)
+    p.add_argument("--prefill-batch", type=int, default=8)
+    p.add_argument("--time-limit", type=float, default=600.0,
+                   help="stop a method after this many seconds (compilation excluded)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results/throughput")
+    args = p.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.config import get_preset
+    from models.loading import load_model, random_params
+
+    if args.model_path:
+        loaded = load_model(args.model, args.model_path, dtype=jnp.bfloat16)
+        cfg, params = loaded.cfg, loaded.params
+    else:
+        cfg = get_preset(args.model)
+        params = random_params(cfg, args.seed, jnp.bfloat16)
+    with open(WORKLOAD) as fh:
+        lengths = json.load(fh)["lengths"]
+    rng = np.random.default_rng(args.seed)
+    lens = rng.choice(lengths, size=args.num_requests)
+    prompts = [list(rng.integers(0, cfg.vocab_size, size=int(n))) for n in lens]
+    print(f"device {jax.devices()[0].device_kind}; model {cfg.name}; {args.num_requests} "
+          f"requests, prompt tokens mean {np.mean(lens):.0f}, output {args.output_len}; "
+          f"KV budget {args.kv_budget_gb} GiB", flush=True)
+    results = []
+    for label, name, options in parse_methods(args.methods):
+        res, engine = run_method(label, name, options, cfg, params, args, prompts)
+        results.append(res)
+        print(f"{label}: {res['tokens_per_s']:.0f} tok/s, mean batch {res['mean_batch']:.1f}, "
+              f"max {res['max_batch']}, {res['finished']} finished, step p50 "
+              f"{res['step_ms_p50']:.1f} ms, host {res['host_share']:.1%}", flush=True)
+        del engine
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "throughput.json"), "w") as fh:
+        json.dump(dict(device=jax.devices()[0].device_kind, args=vars(args), results=results),
+                  fh, indent=1)
+    plots(results, args.out)
+    base = results[0]["tokens_per_s"]
+    print(f"\n{'method':28s} {'tok/s':>8s} {'vs first':>8s} {'req/s':>6s} {'mean B':>7s} "
+          f"{'max B':>6s} {'step p50':>9s} {'p90':>7s} {'host':>6s} {'TTFT p50':>9s} "
+          f"{'preempt':>7s} {'KV/16bit':>8s}")
+    for r in results:
+        m = r["memory"]
+        ratio = ((m.get("page_bytes", 0) + m.get("table_bytes", 0))
+                 / m["bytes_16bit_same_tokens"] if m.get("bytes_16bit_same_tokens")
+                 else float("nan"))
+        print(f"{r['method']:28s} {r['tokens_per_s']:8.0f} {r['tokens_per_s'] / base:7.2f}x "
+              f"{r['requests_per_s']:6.2f} {r['mean_batch']:7.1f} {r['max_batch']:6d} "
+              f"{r['step_ms_p50']:8.1f}ms {r['step_ms_p90']:6.1f} {r['host_share']:6.1%} "
+              f"{r['ttft_s_p50']:8.2f}s {r['preemptions']:7d} {ratio:8.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
