@@ -25,6 +25,12 @@ probabilities are added to the scores, one victim decision per row, the
 victim demoted (re-quantized from its stored codes) or pruned, the newcomer
 written into a high slot. After the layers, rows whose high or low region is
 full get one page each (headroom), again by one prefix sum.
+
+Token-eviction baselines (``policy.rule`` "h2o", "streamingllm", "snapkv", low
+tier off) take the same steps: prefill keeps the tokens the rule selects
+(:func:`~diffkv_jax.diffkv_policy.select_prompt`), decode prunes the rule's
+victim or appends (:func:`~diffkv_jax.diffkv_policy.evict_decision`), so pages,
+compaction and kernels are shared with DiffKV.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from diffkv_jax import diffkv_policy as pol
 from diffkv_jax import free_list as fl
 from diffkv_jax import quantization as qz
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
+from diffkv_jax import prompt_scoring
 from diffkv_jax.pool_writes import scatter_set
 from diffkv_jax.unified_page import Tier, UnifiedPageLayout
 
@@ -279,7 +286,7 @@ class DiffKVCache:
     def prefill_attention(self, state: DiffKVState, layer, q, k, v, ctx):
         batch, ids, per_row = ctx
         out = attn_ref.causal_attention(q, k, v, batch.lengths)
-        score_sum = prompt_scores(q, k, batch.lengths, self.policy.obs_window)
+        score_sum = prompt_scoring.prompt_scores(q, k, batch.lengths, self.policy.obs_window)
         return self.prefill_write(state, layer, k, v, score_sum, batch, ids, per_row), out
 
     def prefill_write(self, state: DiffKVState, layer, k, v, score_sum, batch: PrefillBatch,
@@ -296,9 +303,12 @@ class DiffKVCache:
         H = self.num_kv_heads
         pos = jnp.arange(T, dtype=jnp.int32)
         L_b = batch.lengths[:, None, None]
-        counts = pol.query_counts(self.policy, pos[None, None, :], L_b, L_b - 1)
-        tier = pol.classify_prompt(self.policy, score_sum / counts,
-                                   jnp.broadcast_to(batch.lengths[:, None], (B, H)))
+        plens = jnp.broadcast_to(batch.lengths[:, None], (B, H))
+        if self.policy.rule == "diffkv":
+            counts = pol.query_counts(self.policy, pos[None, None, :], L_b, L_b - 1)
+            tier = pol.classify_prompt(self.policy, score_sum / counts, plens)
+        else:  # token-eviction baseline: rule-selected tokens high, the rest pruned
+            tier = pol.select_prompt(self.policy, score_sum, plens)
         is_h, is_l = tier == pol.HIGH, tier == pol.LOW
         slot_h = jnp.cumsum(is_h, axis=-1) - 1
         slot_l = jnp.cumsum(is_l, axis=-1) - 1
@@ -364,6 +374,10 @@ class DiffKVCache:
         """Pages read per tier: ``num_page_slots`` high pages cover every cached token,
         so the low region can hold at most that many tokens in low pages (+ headroom)."""
         n_hi = min(batch.num_page_slots, self.row_len)
+        budget = self.policy.static_budget
+        if budget is not None and self.policy.rule != "snapkv":
+            # An evicting row never holds more than its budget: budget // cap + 1 pages.
+            n_hi = min(n_hi, budget // self.cap(HI) + 1)
         tokens = batch.num_page_slots * self.cap(HI)
         n_lo = min(-(-tokens // self.cap(LO)) + 1, self.row_len) if self.policy.low_tier else 0
         return n_hi, n_lo
@@ -405,9 +419,14 @@ class DiffKVCache:
         cnt = lambda pos: pol.query_counts(self.policy, pos, plen, cur[:, None, None])  # noqa
         n_hi_tok = state.n_tok[:S, layer, :, HI]
         n_lo_tok = state.n_tok[:S, layer, :, LO]
-        d = pol.decode_decision(self.policy, sc_hi / cnt(hi.positions), hi.positions, hi.valid,
-                                sc_lo / cnt(lo.positions), lo.positions, lo.valid,
-                                n_hi_tok, n_lo_tok, jnp.broadcast_to(cur[:, None], n_hi_tok.shape))
+        cur_b = jnp.broadcast_to(cur[:, None], n_hi_tok.shape)
+        if self.policy.rule == "diffkv":
+            d = pol.decode_decision(self.policy, sc_hi / cnt(hi.positions), hi.positions,
+                                    hi.valid, sc_lo / cnt(lo.positions), lo.positions, lo.valid,
+                                    n_hi_tok, n_lo_tok, cur_b)
+        else:  # token-eviction baseline: prune the rule's victim (raw scores) or append
+            d = pol.evict_decision(self.policy, sc_hi, hi.positions, hi.valid, n_hi_tok,
+                                   n_lo_tok, cur_b, jnp.broadcast_to(plen[..., 0], cur_b.shape))
         # 1. write back accumulated scores.
         state = state.replace(scores=state.scores.at[
             jnp.where(act[..., None] & hi.valid, hi.ids, skip), hi.slot].set(sc_hi, mode="drop"))
@@ -542,20 +561,6 @@ def _gather_rows(data, page, start, width: int):
                                            start_index_map=(0, 1))
     return jax.lax.gather(data, idx, dnums, slice_sizes=(1, width),
                           mode=jax.lax.GatherScatterMode.CLIP)
-
-
-def prompt_scores(q, k, lengths, obs_window):
-    """Summed attention probability each prompt token receives, max over the GQA group.
-
-    Reference path (materializes the probabilities). Returns ``[B, H, T]`` float32.
-    """
-    B, T = q.shape[:2]
-    p = attn_ref.causal_attention_probs(q, k, lengths).max(axis=2)  # [B, H, Tq, Tk]
-    tq = jnp.arange(T)
-    counted = tq[None, :] < lengths[:, None]
-    if obs_window is not None:
-        counted = counted & (tq[None, :] >= lengths[:, None] - obs_window)
-    return jnp.einsum("bhqk,bq->bhk", p, counted.astype(jnp.float32))
 
 
 def compressed_decode_attention(q, k_new, v_new, hi: RowView, lo: RowView):

@@ -22,16 +22,52 @@ important low token, when that one is below alpha_low/n and is thereby
 pruned; else appended), or pruned otherwise. The newcomer takes the victim's
 high slot; when the victim stays, the newcomer is appended. Tiers therefore
 stay dense and each grows by at most one token per step.
+
+Token-eviction baselines (``rule`` other than "diffkv") reuse the same machinery
+with the low tier off: every kept token is high, an eviction is
+PRUNE_HIGH_VICTIM with the victim chosen by the rule (the newcomer takes its
+slot), otherwise APPEND. Each (sequence, layer, KV head) row keeps at most a
+*budget* of tokens (:func:`row_budget`):
+
+* ``"h2o"`` (Heavy-Hitter Oracle): prefill keeps the newest ``window`` prompt
+  tokens plus the ``budget - window`` others with the highest *raw* accumulated
+  score (summed probability, max over the GQA group: the scores DiffKV
+  computes, over all prompt queries by default, ``obs_window=None``); decode,
+  once a row would hold more than ``budget``, evicts the token outside the
+  newest ``window`` with the lowest raw accumulated score. Raw, not DiffKV's
+  importance (score / counted queries), because H2O ranks by accumulated
+  attention; older tokens are seen by more queries and are favoured, as in H2O.
+* ``"streamingllm"``: the first ``sinks`` tokens plus the newest
+  ``budget - sinks``; decode evicts the oldest non-sink token once over budget.
+  Scores are still accumulated but never consulted.
+* ``"snapkv"``: prefill keeps the newest ``window`` prompt tokens plus the
+  ``budget - window`` others with the most *votes*: the probability summed over
+  the last ``obs_window`` prompt queries (SnapKV's observation window),
+  smoothed by a 1-D max (or average) pool of ``pool_kernel`` over the candidate
+  prefix (SnapKV's ``F.max_pool1d`` / ``F.avg_pool1d`` with padding
+  ``kernel // 2``, stride 1); decode appends only (no eviction).
+
+The budget counts every kept token, the window included (SnapKV's
+``max_capacity_prompt``, the "512" of H2O-512). Ties are broken towards keeping
+the newer token. A ``budget_ratio`` budget is computed from the row's prompt
+length (a preempted request is re-prefilled from prompt + output, so its budget
+is recomputed from that longer "prompt", and H2O's decode-time scores restart
+from the prefill scores). The registry (:mod:`diffkv_jax.methods`) stores every
+kept token K8V8.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
 HIGH, LOW, PRUNED, EMPTY = 0, 1, 2, 3
 APPEND, PRUNE_HIGH_VICTIM, DEMOTE_INTO_PRUNED_LOW, DEMOTE_INTO_NEW_LOW = 0, 1, 2, 3
+#: Policy rules: DiffKV's tiering, then the token-eviction baselines.
+RULES = ("diffkv", "h2o", "streamingllm", "snapkv")
+EVICTION_RULES = RULES[1:]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +81,16 @@ class DiffKVPolicy:
         last ``obs_window``); ``None`` counts every prompt query.
       low_tier: False keeps everything that is not pruned in the high tier.
       normalizer: "length" or "token" (see module docstring).
+      rule: "diffkv" (the thresholds above) or a token-eviction baseline, "h2o",
+        "streamingllm" or "snapkv" (module docstring); the baselines ignore the
+        alphas and the normalizer and need ``low_tier=False``.
+      budget: tokens a row keeps (baselines only), window and sinks included.
+      budget_ratio: instead of ``budget``, ``round(budget_ratio * prompt_len)`` per
+        sequence (fixed at prefill), raised to :meth:`min_budget`.
+        "streamingllm" with neither uses ``sinks + window``.
+      sinks: "streamingllm": first tokens always kept (attention sinks).
+      pool_kernel, pooling: "snapkv": odd kernel size and "max" or "avg" pooling of
+        the votes.
     """
 
     alpha_high: float = 1.0
@@ -53,6 +99,12 @@ class DiffKVPolicy:
     obs_window: int | None = 64
     low_tier: bool = True
     normalizer: str = "length"
+    rule: str = "diffkv"
+    budget: int | None = None
+    budget_ratio: float | None = None
+    sinks: int = 4
+    pool_kernel: int = 7
+    pooling: str = "max"
 
     def __post_init__(self):
         if not self.alpha_high > self.alpha_low >= 0:
@@ -64,6 +116,47 @@ class DiffKVPolicy:
             raise ValueError("obs_window must be >= 1 or None")
         if self.normalizer not in ("length", "token"):
             raise ValueError(f"normalizer must be 'length' or 'token', got {self.normalizer!r}")
+        if self.rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        if self.rule == "diffkv":
+            if self.budget is not None or self.budget_ratio is not None:
+                raise ValueError("budget / budget_ratio apply to the token-eviction rules only")
+            return
+        if self.low_tier:
+            raise ValueError(f"rule {self.rule!r} keeps one tier: it needs low_tier=False")
+        if self.budget is not None and self.budget_ratio is not None:
+            raise ValueError("give budget or budget_ratio, not both")
+        if self.budget is None and self.budget_ratio is None and self.rule != "streamingllm":
+            raise ValueError(f"rule {self.rule!r} needs budget= or budget_ratio=")
+        if self.budget_ratio is not None and not 0 < self.budget_ratio <= 1:
+            raise ValueError(f"budget_ratio must be in (0, 1], got {self.budget_ratio}")
+        if self.sinks < 0:
+            raise ValueError("sinks must be >= 0")
+        if self.budget is not None and self.budget < self.min_budget:
+            raise ValueError(f"rule {self.rule!r}: budget {self.budget} is below "
+                             f"{self.min_budget} ({self._min_budget_why})")
+        if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise ValueError(f"pool_kernel must be odd and >= 1, got {self.pool_kernel}")
+        if self.pooling not in ("max", "avg"):
+            raise ValueError(f"pooling must be 'max' or 'avg', got {self.pooling!r}")
+
+    @property
+    def min_budget(self) -> int:
+        """Smallest per-row budget of an eviction rule (a ratio budget is raised to it)."""
+        return self.sinks + 1 if self.rule == "streamingllm" else self.window
+
+    @property
+    def static_budget(self) -> int | None:
+        """The per-row budget when it does not depend on the prompt (None for DiffKV or a
+        ``budget_ratio``)."""
+        if self.rule == "diffkv" or self.budget_ratio is not None:
+            return None
+        return self.budget if self.budget is not None else self.sinks + self.window
+
+    @property
+    def _min_budget_why(self) -> str:
+        return ("sinks + one recent token" if self.rule == "streamingllm"
+                else "the recent window is always kept")
 
 
 def query_counts(policy: DiffKVPolicy, token_pos, prompt_len, cur_pos):
@@ -168,4 +261,126 @@ def decode_decision(policy: DiffKVPolicy, imp_high, pos_high, valid_high, imp_lo
         "low_slot": low_slot.astype(jnp.int32),
         "n_high": (n_high + (~leaves)).astype(jnp.int32),
         "n_low": (n_low + (demote & ~reuse_low)).astype(jnp.int32),
+    }
+
+
+# ---- token-eviction baselines --------------------------------------------------------------
+
+
+def row_budget(policy: DiffKVPolicy, prompt_len):
+    """Tokens each row may keep under an eviction rule: ``[...]`` int32 from ``prompt_len [...]``.
+
+    ``budget`` when given; else ``round(budget_ratio * prompt_len)`` (half up), at least
+    :attr:`DiffKVPolicy.min_budget`; "streamingllm" with neither keeps ``sinks + window``.
+    """
+    prompt_len = jnp.asarray(prompt_len, jnp.int32)
+    if policy.static_budget is not None:
+        return jnp.full(prompt_len.shape, policy.static_budget, jnp.int32)
+    b = jnp.floor(jnp.float32(policy.budget_ratio) * prompt_len.astype(jnp.float32) + 0.5)
+    return jnp.maximum(b.astype(jnp.int32), policy.min_budget)
+
+
+def snapkv_votes(policy: DiffKVPolicy, score_sum, candidate):
+    """SnapKV's pooled votes over the candidate prefix.
+
+    Args:
+      score_sum: ``[..., T]`` probability summed over the observation window.
+      candidate: ``[..., T]`` bool, a prefix ``[0, n)`` of each row (the tokens before
+        the kept window).
+    Returns:
+      ``[..., T]`` float32: a ``pool_kernel``-wide, stride-1 max (or average) pool over
+      the candidates, padded by ``pool_kernel // 2`` on both sides (max: the padding
+      never wins; avg: padding counts as zeros and the sum is divided by the kernel
+      size, as ``F.avg_pool1d``'s default); ``-inf`` outside the candidates.
+    """
+    r = policy.pool_kernel // 2
+    fill = -jnp.inf if policy.pooling == "max" else 0.0
+    x = jnp.where(candidate, score_sum.astype(jnp.float32), fill)
+    T = x.shape[-1]
+    pad = [(0, 0)] * (x.ndim - 1) + [(r, r)]
+    xp = jnp.pad(x, pad, constant_values=fill)
+    shifted = [xp[..., o:o + T] for o in range(2 * r + 1)]
+    if policy.pooling == "max":
+        pooled = functools.reduce(jnp.maximum, shifted)
+    else:
+        pooled = functools.reduce(jnp.add, shifted) / jnp.float32(policy.pool_kernel)
+    return jnp.where(candidate, pooled, -jnp.inf)
+
+
+def _rank_desc(key, pos):
+    """Rank of every entry by ``key`` descending, ties to the larger ``pos`` (0 = best)."""
+    order = jnp.lexsort((-pos, -key), axis=-1)
+    ranks = jnp.broadcast_to(jnp.arange(key.shape[-1], dtype=jnp.int32), key.shape)
+    return jnp.put_along_axis(jnp.zeros(key.shape, jnp.int32), order, ranks, axis=-1,
+                              inplace=False)
+
+
+def select_prompt(policy: DiffKVPolicy, score_sum, prompt_len):
+    """Prompt tokens an eviction rule keeps: ``[..., T]`` int32 in {HIGH, PRUNED, EMPTY}.
+
+    Args:
+      score_sum: ``[..., T]`` float32 summed probabilities (raw, not normalized), over the
+        prompt queries the policy counts (``obs_window``).
+      prompt_len: ``[...]`` int32 (positions >= prompt_len are padding).
+    """
+    T = score_sum.shape[-1]
+    pos = jnp.arange(T, dtype=jnp.int32)
+    L = prompt_len[..., None]
+    B = row_budget(policy, prompt_len)[..., None]
+    real = pos < L
+    if policy.rule == "streamingllm":
+        keep = (pos < policy.sinks) | (pos >= L - (B - policy.sinks))
+    else:
+        recent = pos >= L - policy.window
+        cand = real & ~recent
+        if policy.rule == "snapkv":
+            key = snapkv_votes(policy, score_sum, cand)
+        else:
+            key = jnp.where(cand, score_sum.astype(jnp.float32), -jnp.inf)
+        rank = _rank_desc(key, jnp.broadcast_to(pos, key.shape))
+        keep = recent | (cand & (rank < B - policy.window))
+    tier = jnp.where(keep, HIGH, PRUNED)
+    return jnp.where(real, tier, EMPTY).astype(jnp.int32)
+
+
+def evict_decision(policy: DiffKVPolicy, score_high, pos_high, valid_high, n_high, n_low,
+                   cur_pos, prompt_len):
+    """One decode decision per row under an eviction rule (same outputs as :func:`decode_decision`).
+
+    The newcomer (position ``cur_pos``) joins the row; if the row would then hold more than
+    its :func:`row_budget`, one victim is pruned (PRUNE_HIGH_VICTIM, the newcomer takes its
+    slot), else the newcomer is appended (APPEND). Victims: "h2o" the lowest raw accumulated
+    score outside the newest ``window`` positions (ties: the older token); "streamingllm"
+    the oldest token at position >= ``sinks``; "snapkv" never evicts.
+
+    Args:
+      score_high: ``[..., Nh]`` raw accumulated scores (this step's probability included);
+        pos_high, valid_high: positions and occupancy of the high slots.
+      n_high, n_low, cur_pos, prompt_len: ``[...]`` int32.
+    """
+    imax = jnp.iinfo(jnp.int32).max
+    cur = cur_pos[..., None]
+    if policy.rule == "snapkv":
+        eligible = jnp.zeros_like(valid_high)
+        key = jnp.zeros(score_high.shape, jnp.float32)
+    elif policy.rule == "streamingllm":
+        eligible = valid_high & (pos_high >= policy.sinks)
+        key = jnp.zeros(score_high.shape, jnp.float32)  # all tie: the oldest is the victim
+    else:  # h2o
+        eligible = valid_high & (pos_high <= cur - policy.window)
+        key = score_high.astype(jnp.float32)
+    low = jnp.min(jnp.where(eligible, key, jnp.inf), axis=-1, keepdims=True)
+    tied = eligible & (key == low)
+    vh = jnp.argmin(jnp.where(tied, pos_high, imax), axis=-1).astype(jnp.int32)
+    over = n_high + 1 > row_budget(policy, prompt_len)
+    leaves = over & eligible.any(-1)
+    action = jnp.where(leaves, PRUNE_HIGH_VICTIM, APPEND)
+    return {
+        "action": action.astype(jnp.int32),
+        "victim_high": jnp.where(leaves, vh, -1).astype(jnp.int32),
+        "victim_low": jnp.full(n_high.shape, -1, jnp.int32),
+        "new_slot": jnp.where(leaves, vh, n_high).astype(jnp.int32),
+        "low_slot": jnp.full(n_high.shape, -1, jnp.int32),
+        "n_high": (n_high + (~leaves)).astype(jnp.int32),
+        "n_low": jnp.asarray(n_low, jnp.int32),
     }

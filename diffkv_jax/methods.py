@@ -3,7 +3,10 @@
 Every method is one entry of :data:`METHOD_SPECS`: a builder (the cache class it
 configures) and the options that define it. ``int8`` and ``k8v4`` are
 configurations of :class:`DiffKVCache` that keep every token at one precision
-and prune nothing; a new baseline is one more entry here.
+and prune nothing; a new baseline is one more entry here. ``h2o``,
+``streamingllm`` and ``snapkv`` are token-eviction baselines on the same
+cache, pages and kernels (a :class:`DiffKVPolicy` ``rule``): kept tokens are
+stored K8V8, evicted ones really free their slots (and pages).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from diffkv_jax.diffkv_cache import DiffKVCache
-from diffkv_jax.diffkv_policy import DiffKVPolicy
+from diffkv_jax.diffkv_policy import EVICTION_RULES, DiffKVPolicy
 from diffkv_jax.paged_cache import FullCache
 from diffkv_jax.unified_page import Tier
 from models.config import ModelConfig
@@ -43,6 +46,15 @@ def _build_full(cfg: ModelConfig, *, max_seqs: int, max_context: int, dtype: Any
 
 def _build_diffkv(cfg: ModelConfig, *, max_seqs: int, max_context: int, dtype: Any,
                   page_size: int | None, **options) -> DiffKVCache:
+    if "rule" in options:
+        raise ValueError("a token-eviction rule is chosen by method name: "
+                         + ", ".join(EVICTION_RULES))
+    return _diffkv_cache(cfg, max_seqs=max_seqs, max_context=max_context,
+                         page_size=page_size, **options)
+
+
+def _diffkv_cache(cfg: ModelConfig, *, max_seqs: int, max_context: int, page_size: int | None,
+                  **options) -> DiffKVCache:
     tiers = {k: (parse_tier(options.pop(k)) if isinstance(options.get(k), str)
                  else options.pop(k)) for k in ("high", "low") if k in options}
     impl = options.pop("attention_impl", "reference")
@@ -50,6 +62,52 @@ def _build_diffkv(cfg: ModelConfig, *, max_seqs: int, max_context: int, dtype: A
     return DiffKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                        max_context=max_context, policy=policy,
                        tokens_per_page=page_size or 32, attention_impl=impl, **tiers)
+
+
+#: Budget (tokens per (sequence, layer, KV head)) of the eviction baselines when neither
+#: ``budget`` nor ``budget_ratio`` is given: the "512" of H2O-512 / StreamingLLM-512 in the
+#: evaluation paper (docs: shared/spec/evaluation.md).
+DEFAULT_EVICTION_BUDGET = 512
+
+
+def _build_eviction(cfg: ModelConfig, *, max_seqs: int, max_context: int, dtype: Any,
+                    page_size: int | None, **options) -> DiffKVCache:
+    """A token-eviction baseline (``rule`` fixed by the registry) on the DiffKV cache.
+
+    Options: ``budget`` or ``budget_ratio`` (default ``budget=512``), ``window``,
+    ``obs_window``, and per rule ``sinks`` (streamingllm), ``pool_kernel`` /
+    ``pooling`` (snapkv); ``page_size``, ``attention_impl``. The storage tier is
+    fixed: every kept token K8V8 (the cache's tiers are 8/4/2-bit only).
+    Defaults: h2o counts every prompt query (``obs_window=None``; H2O accumulates
+    over all queries); streamingllm takes ``window`` as ``budget - sinks``, so
+    ``window`` may replace the budget but not join it; snapkv's observation
+    window follows ``window`` unless ``obs_window`` is given (SnapKV uses one
+    window for both).
+    """
+    rule = options["rule"]
+    bad = sorted(set(options) & {"alpha_high", "normalizer"})
+    if bad:
+        raise ValueError(f"option(s) {', '.join(bad)} do not apply to {rule} "
+                         f"(DiffKV thresholds)")
+    if rule != "streamingllm" and "sinks" in options:
+        raise ValueError(f"option sinks applies to streamingllm only, not {rule}")
+    if rule != "snapkv" and ({"pool_kernel", "pooling"} & set(options)):
+        raise ValueError(f"options pool_kernel / pooling apply to snapkv only, not {rule}")
+    has_budget = "budget" in options or "budget_ratio" in options
+    if rule == "streamingllm":
+        if "window" in options and has_budget:
+            raise ValueError("streamingllm keeps sinks + window tokens: give window or "
+                             "budget / budget_ratio, not both")
+        if "window" not in options and not has_budget:
+            options["budget"] = DEFAULT_EVICTION_BUDGET
+    elif not has_budget:
+        options["budget"] = DEFAULT_EVICTION_BUDGET
+    if rule == "h2o":
+        options.setdefault("obs_window", None)
+    if rule == "snapkv" and "window" in options:
+        options.setdefault("obs_window", options["window"])
+    return _diffkv_cache(cfg, max_seqs=max_seqs, max_context=max_context,
+                         page_size=page_size, **options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +128,25 @@ def _uniform(tier: Tier) -> dict:
     return dict(high=tier, low=tier, low_tier=False, alpha_low=0.0)
 
 
+def _eviction(rule: str) -> dict:
+    # Kept tokens are stored K8V8 (the closest to 16-bit the 8/4/2-bit tiers allow);
+    # one tier, pruning only by the rule's victims.
+    return dict(rule=rule, **_uniform(Tier(8, 8)))
+
+
 METHOD_SPECS: dict[str, MethodSpec] = {
     "diffkv": MethodSpec(_build_diffkv, {}, "DiffKV: K8V4 high / K4V2 low tiers, pruning"),
     "full": MethodSpec(_build_full, {}, "uncompressed paged cache (the baseline)"),
     "int8": MethodSpec(_build_diffkv, _uniform(Tier(8, 8)), "every token K8V8, none pruned"),
     "k8v4": MethodSpec(_build_diffkv, _uniform(Tier(8, 4)), "every token K8V4, none pruned"),
+    "h2o": MethodSpec(_build_eviction, _eviction("h2o"),
+                      "h2o (K8V8 storage): heavy hitters by accumulated attention + recent "
+                      "window, fixed token budget"),
+    "streamingllm": MethodSpec(_build_eviction, _eviction("streamingllm"),
+                               "streamingllm (K8V8 storage): attention sinks + recent window"),
+    "snapkv": MethodSpec(_build_eviction, _eviction("snapkv"),
+                         "snapkv (K8V8 storage): prompt tokens by pooled observation-window "
+                         "votes + window, no eviction at decode"),
 }
 """Cache methods by name. Options a user gives go to the builder after ``fixed``."""
 
@@ -93,6 +165,12 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     "K8V4" or :class:`Tier`), ``attention_impl`` ("reference" or "pallas").
     ``int8`` / ``k8v4``: the diffkv options except the ones that define them
     (``high``, ``low``, ``low_tier``, ``alpha_low``).
+    ``h2o`` / ``streamingllm`` / ``snapkv`` (token eviction, every kept token K8V8):
+    ``budget`` (tokens per (sequence, layer, KV head), window and sinks included) or
+    ``budget_ratio`` (of each prompt), default ``budget=512``; ``window``,
+    ``obs_window``; ``sinks`` (streamingllm, default 4); ``pool_kernel`` (default 7)
+    and ``pooling`` ("max" or "avg", snapkv); ``page_size``, ``attention_impl``.
+    See :func:`_build_eviction` and :mod:`diffkv_jax.diffkv_policy`.
     """
     spec = METHOD_SPECS.get(name)
     if spec is None:

@@ -36,7 +36,7 @@ def test_parse_methods_with_options():
     assert dict(runs[3].options) == {"low_tier": False}
     assert ev.parse_value("none") is None and ev.parse_value("K8V4") == "K8V4"
     with pytest.raises(ev.EvalError, match="available: " + ", ".join(METHODS)):
-        ev.parse_methods("full,h2o")
+        ev.parse_methods("full,no-such-method")
     with pytest.raises(ev.EvalError, match="before any method"):
         ev.parse_methods("alpha_high=2,full")
     with pytest.raises(ev.EvalError, match="same method twice"):
@@ -176,11 +176,11 @@ def test_missing_dataset_package_prints_the_install_line(capsys, tmp_path, monke
 
 def test_script_entry_point_fails_cleanly(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "eval.py"),
-                           "--methods", "h2o", "--out", str(tmp_path)],
+                           "--methods", "no-such-method", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown method 'h2o'")
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: unknown method 'no-such-method'")
 
 
 # --------------------------------------------------------------------------- end to end

@@ -1,0 +1,45 @@
+"""Threshold calibration: the choice rule and the preset files it writes."""
+
+import json
+
+import pytest
+
+from diffkv_jax import presets
+from scripts.calibrate import choose
+
+ROWS = [
+    dict(alpha_high=1, alpha_low=0.02, ppl_increase=0.005, agreement=0.97, memory_ratio=0.50),
+    dict(alpha_high=1, alpha_low=0.1, ppl_increase=0.015, agreement=0.96, memory_ratio=0.44),
+    dict(alpha_high=2, alpha_low=0.2, ppl_increase=0.030, agreement=0.93, memory_ratio=0.35),
+    dict(alpha_high=2, alpha_low=0.1, ppl_increase=0.010, agreement=0.94, memory_ratio=0.40),
+]
+
+
+def test_choose_takes_least_memory_within_budget():
+    assert choose(ROWS, 0.02, 0.95)["memory_ratio"] == 0.44
+    # A looser agreement budget admits the 0.40 setting but not the 0.35 one (ppl +3%).
+    assert choose(ROWS, 0.02, 0.90)["memory_ratio"] == 0.40
+    assert choose(ROWS, 0.05, 0.90)["memory_ratio"] == 0.35
+    assert choose(ROWS, 0.001, 0.99) is None
+
+
+def test_preset_roundtrip_and_lookup_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFKV_JAX_PRESETS", str(tmp_path / "user"))
+    assert presets.load_preset("no-such-model") is None
+    path = presets.save_preset("My/Model", {"alpha_high": 2.0, "alpha_low": 0.1}, {"why": "test"})
+    assert path.parent == tmp_path / "user"
+    options, found = presets.load_preset("My/Model")
+    assert options == {"alpha_high": 2.0, "alpha_low": 0.1} and found == path
+    assert json.loads(path.read_text())["provenance"] == {"why": "test"}
+    # The user's preset wins over a shipped one of the same name.
+    shipped = tmp_path / "shipped"
+    monkeypatch.setattr(presets, "SHIPPED_DIR", shipped)
+    presets.save_preset("My/Model", {"alpha_high": 9.0, "alpha_low": 0.0}, {}, shipped)
+    assert presets.load_preset("My/Model")[0]["alpha_high"] == 2.0
+    path.unlink()
+    assert presets.load_preset("My/Model")[0]["alpha_high"] == 9.0
+
+
+def test_preset_rejects_unknown_options(tmp_path):
+    with pytest.raises(ValueError, match="not preset options"):
+        presets.save_preset("m", {"alpha_high": 1.0, "page_size": 8}, {}, tmp_path)
