@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from diffkv_jax import presets
 from diffkv_jax.methods import DEFAULT_METHOD, METHODS
 
 
@@ -33,15 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop string: generation ends before it (the text is cut there); "
+                        "repeat for several")
     p.add_argument("--kv", default=DEFAULT_METHOD,
                    help=f"KV cache method: {', '.join(METHODS)} (default {DEFAULT_METHOD})")
     p.add_argument("--page-size", type=int, default=None,
                    help="tokens per KV page (high-tier tokens for diffkv; default 16 full, 32 diffkv)")
     d = p.add_argument_group("diffkv options")
-    d.add_argument("--alpha-high", type=float, default=1.0,
-                   help="high-tier threshold, relative to the uniform attention 1/N (default 1)")
-    d.add_argument("--alpha-low", type=float, default=0.02,
-                   help="pruning threshold, relative to 1/N (default 0.02)")
+    d.add_argument("--alpha-high", type=float, default=None,
+                   help="high-tier threshold, relative to the uniform attention 1/N (default: "
+                        "the model's calibrated preset if any, else 1)")
+    d.add_argument("--alpha-low", type=float, default=None,
+                   help="pruning threshold, relative to 1/N (default: the model's calibrated "
+                        "preset if any, else 0.02)")
     d.add_argument("--window", type=int, default=64, help="recent tokens always kept high")
     d.add_argument("--obs-window", type=int, default=64,
                    help="prompt queries counted for prompt-phase scores (0 = all)")
@@ -66,6 +72,20 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def diffkv_thresholds(model: str, alpha_high: float | None, alpha_low: float | None) -> dict:
+    """Thresholds for ``--kv diffkv``: the ones given, else the model's calibrated preset
+    (:mod:`diffkv_jax.presets`, written by ``scripts/calibrate.py``), else 1 and 0.02."""
+    preset = presets.load_preset(model) if alpha_high is None and alpha_low is None else None
+    if preset is not None:
+        options, path = preset
+        print(f"diffkv thresholds from the calibrated preset {path}: alpha_high="
+              f"{options.get('alpha_high')}, alpha_low={options.get('alpha_low')}",
+              file=sys.stderr)
+        return {k: options[k] for k in ("alpha_high", "alpha_low") if k in options}
+    return dict(alpha_high=1.0 if alpha_high is None else alpha_high,
+                alpha_low=0.02 if alpha_low is None else alpha_low)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.prompt is None:
@@ -79,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for text in args.prompt:
         if not text.strip():
             return _fail("empty prompt")
+    if any(not s for s in args.stop or ()):
+        return _fail("--stop needs a non-empty string")
 
     # Imports are deferred so argument errors answer instantly.
     from diffkv_jax.generation import GenerationInputError
@@ -101,7 +123,6 @@ def _run(args) -> int:
     from diffkv_jax.generation import GenerationInputError, SamplingParams, next_pow2
     from diffkv_jax.methods import make_method
     from models.loading import load_model
-    from models.tokenizer import IncrementalDetokenizer
 
     dtype = None if args.dtype == "auto" else getattr(jnp, args.dtype)
     loaded = load_model(args.model, model_path=args.model_path, dtype=dtype,
@@ -134,13 +155,15 @@ def _run(args) -> int:
 
     stop = tuple(tok.eos_token_ids)
     sampling = [SamplingParams(args.temperature, args.top_p, args.top_k, args.seed + i,
-                               args.max_new_tokens, stop) for i in range(len(prompts))]
+                               args.max_new_tokens, stop, tuple(args.stop or ()))
+                for i in range(len(prompts))]
     for s in sampling:
         s.validate()
     options = {"attention_impl": args.attention}
     if args.kv == "diffkv":
         low_off = args.low_bits.lower() == "off"
-        options = dict(alpha_high=args.alpha_high, alpha_low=args.alpha_low, window=args.window,
+        alphas = diffkv_thresholds(cfg.name, args.alpha_high, args.alpha_low)
+        options = dict(**alphas, window=args.window,
                        obs_window=args.obs_window or None, low_tier=not low_off,
                        high=args.high_bits, attention_impl=args.attention)
         if not low_off:
@@ -152,31 +175,26 @@ def _run(args) -> int:
         raise GenerationInputError(str(e)) from None
     num_pages = sum(method.pages_for_tokens(min(len(p) + args.max_new_tokens, max_context))
                     for p in prompts)
-    gen = Engine(cfg, params, method, num_pages=num_pages, dtype=dtype)
+    # The tokenizer detokenizes for the engine: stop strings, streamed text, Request.text.
+    gen = Engine(cfg, params, method, num_pages=num_pages, dtype=dtype, detokenizer=tok)
 
     single = len(prompts) == 1
-    detoks = [IncrementalDetokenizer(tok) for _ in prompts]
-    stop_set = set(stop)
-
-    def on_token(row: int, token: int) -> None:
-        if token in stop_set:
-            return
-        piece = detoks[row].push(token)
-        if single and piece:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-
     ids = [gen.add_request(p, s) for p, s in zip(prompts, sampling)]
     row_of = {rid: i for i, rid in enumerate(ids)}
-    for new in gen.run():  # continuous batching; tokens stream as they are sampled
-        for rid, toks in new.items():
-            for t in toks:
-                on_token(row_of[rid], t)
-            if not single and gen.requests[rid].status == "finished":
-                out = [t for t in gen.requests[rid].output if t not in stop_set]
-                print(f"[{row_of[rid]}] {tok.decode(out)}", flush=True)
+    # Continuous batching. One prompt streams its text as it is sampled (never a
+    # character that could still turn out to belong to a stop string); several
+    # print each answer when it finishes.
+    for new in gen.run():
+        for rid in new:
+            if single:
+                piece = gen.stream_text(rid)
+                if piece:
+                    sys.stdout.write(piece)
+                    sys.stdout.flush()
+            elif gen.requests[rid].status == "finished":
+                print(f"[{row_of[rid]}] {gen.requests[rid].text}", flush=True)
     if single:
-        sys.stdout.write(detoks[0].flush() + "\n")
+        sys.stdout.write(gen.stream_text(ids[0]) + "\n")
     sys.stdout.flush()
     if not args.quiet:
         m = gen.peak_memory

@@ -29,7 +29,14 @@ class GenerationInputError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples. ``temperature == 0`` is greedy."""
+    """How one request samples. ``temperature == 0`` is greedy.
+
+    ``stop_token_ids`` end a request when sampled (the id is kept as the last
+    token of the output). ``stop_strings`` end it when the generated text
+    contains one of them; only :class:`diffkv_jax.engine.Engine` honours them,
+    and only when it was built with a ``detokenizer`` (see there for what is
+    kept). A list is stored as a tuple.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -37,6 +44,11 @@ class SamplingParams:
     seed: int = 0
     max_new_tokens: int = 128
     stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.stop_strings, list):  # keep the dataclass hashable
+            object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
 
     def validate(self) -> None:
         if self.max_new_tokens <= 0:
@@ -47,6 +59,12 @@ class SamplingParams:
             raise GenerationInputError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise GenerationInputError(f"top_k must be >= 0, got {self.top_k}")
+        if not isinstance(self.stop_strings, tuple):
+            raise GenerationInputError(
+                f"stop_strings must be a tuple of strings, got {type(self.stop_strings).__name__}")
+        for s in self.stop_strings:
+            if not isinstance(s, str) or not s:
+                raise GenerationInputError(f"stop strings must be non-empty strings, got {s!r}")
 
 
 @dataclasses.dataclass

@@ -18,13 +18,14 @@ submitted as soon as one finishes. Per sample, one JSON line
 (:class:`SampleResult`) is appended to ``OUT/results.jsonl``:
 
 * ``output_tokens``: the generated tokens up to the end of the answer. An EOS
-  token is not counted. Task stop strings: the engine stops on token ids only,
-  so the host decodes each request's text after every step and, once a stop
-  string appears, cancels the request (its pages go back to the pool); the
-  text is cut before the stop string and the tokens after the one that
-  completed it are dropped. This gives exactly what generating to
-  ``max_new_tokens`` and truncating afterwards would give (greedy), without
-  the wasted steps, and the latency of a server that honours stop strings.
+  token is not counted. Task stop strings go to the engine
+  (``SamplingParams.stop_strings``, the tokenizer as its detokenizer): a
+  request ends at the step whose token completes a stop string (its pages go
+  back to the pool at once), the text is cut before the stop string and the
+  tokens kept end with the one that completed it (``finish_reason``
+  ``stop_string``). This gives exactly what generating to ``max_new_tokens``
+  and truncating afterwards would give (greedy), without the wasted steps,
+  and the latency of a server that honours stop strings.
 * ``score``: the task's scorer on that text; ``extra`` holds the text, the
   finish reason, prompt length, preemptions and the cache's own accounting.
 * ``kv_bytes``: the cache bytes this request held when it finished (its pages,
@@ -325,28 +326,25 @@ def _progress(total: int, desc: str, disable: bool):
                 dynamic_ncols=True)
 
 
-def _first_stop(text: str, stops: Sequence[str]) -> int:
-    """Index of the earliest stop string in ``text``, or -1."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else -1
-
-
 @dataclasses.dataclass
 class _Live:
     sample: Sample
     t_submit: float
     compile_at_submit: float
-    stop_tokens: int | None = None  # tokens kept when a stop string ended the answer
 
 
 def generate_task(engine, task, samples: list[Sample], *, label: str, tokenizer,
                   max_new_tokens: int, write, progress: bool) -> None:
-    """Serve ``samples`` through ``engine`` (closed loop) and ``write`` one SampleResult each."""
+    """Serve ``samples`` through ``engine`` (closed loop) and ``write`` one SampleResult each.
+
+    ``engine`` must have a detokenizer when ``task`` has stop strings.
+    """
     from diffkv_jax.evaluation.metrics import SampleResult
     from diffkv_jax.generation import SamplingParams
 
     eos = tuple(tokenizer.eos_token_ids)
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=eos)
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=eos,
+                              stop_strings=tuple(task.stop))
     pending = collections.deque(samples)
     live: dict[int, _Live] = {}
     bar = _progress(len(samples), f"{label} / {task.name}", not progress)
@@ -356,18 +354,10 @@ def generate_task(engine, task, samples: list[Sample], *, label: str, tokenizer,
                 s = pending.popleft()
                 rid = engine.add_request(s.prompt_ids, sampling)
                 live[rid] = _Live(s, time.perf_counter(), engine.compile_seconds)
-            new = engine.step()
+            engine.step()
             now = time.perf_counter()
             for rid in list(live):
                 lv, req = live[rid], engine.requests[rid]
-                if task.stop and rid in new and lv.stop_tokens is None:
-                    toks = [t for t in req.output if t not in eos]
-                    if _first_stop(tokenizer.decode(toks), task.stop) >= 0:
-                        lv.stop_tokens = len(toks)
-                # Cancel from its slot, so its bytes are read (a request preempted in
-                # this very step is cancelled once it runs again).
-                if lv.stop_tokens is not None and req.status == "running":
-                    engine.cancel(rid)
                 if req.status not in ("finished", "cancelled"):
                     continue
                 del live[rid]
@@ -384,13 +374,9 @@ def _result(SampleResult, task, label, lv: _Live, req, tokenizer, eos, now, comp
     toks = list(req.output)
     if req.finish_reason == "stop" and toks and toks[-1] in eos:
         toks = toks[:-1]
-    reason = req.finish_reason
-    if lv.stop_tokens is not None:
-        toks, reason = toks[:lv.stop_tokens], "stop_string"
-    text = tokenizer.decode(toks)
-    cut = _first_stop(text, task.stop) if task.stop else -1
-    if cut >= 0:
-        text = text[:cut]
+    reason = "stop_string" if req.stop_string is not None else req.finish_reason
+    # The engine's text: the tokens without the EOS, cut before a stop string.
+    text = req.text if req.text is not None else tokenizer.decode(toks)
     score = task.score(text, lv.sample.example) if task.score is not None else math.nan
     raw = now - lv.t_submit
     stats = req.kv_stats or {}
@@ -665,7 +651,7 @@ def _main(args, model) -> int:
             if not fits:
                 continue
             if engine is None:
-                engine = _engine(run, cfg, params, dtype, args)
+                engine = _engine(run, cfg, params, dtype, args, tok)
             max_new = min(t.max_new_tokens, args.max_new_tokens or t.max_new_tokens)
             generate_task(engine, t, fits, label=run.label, tokenizer=tok,
                           max_new_tokens=max_new, write=write, progress=progress)
@@ -677,13 +663,13 @@ def _main(args, model) -> int:
     return _report(args, config)
 
 
-def _engine(run: MethodRun, cfg, params, dtype, args):
+def _engine(run: MethodRun, cfg, params, dtype, args, tokenizer):
     from diffkv_jax.engine import Engine
 
     method = build_method(run, cfg, max_seqs=args.max_batch, max_context=args.max_context,
                           dtype=dtype)
     return Engine(cfg, params, method, num_pages=pool_pages(method, args, run.label),
-                  dtype=dtype)
+                  dtype=dtype, detokenizer=tokenizer)
 
 
 def _report(args, config: dict) -> int:

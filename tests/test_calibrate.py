@@ -43,3 +43,22 @@ def test_preset_roundtrip_and_lookup_order(tmp_path, monkeypatch):
 def test_preset_rejects_unknown_options(tmp_path):
     with pytest.raises(ValueError, match="not preset options"):
         presets.save_preset("m", {"alpha_high": 1.0, "page_size": 8}, {}, tmp_path)
+
+
+def test_cli_thresholds_come_from_the_preset_unless_given(tmp_path, monkeypatch):
+    from diffkv_jax.cli import diffkv_thresholds
+
+    monkeypatch.setenv("DIFFKV_JAX_PRESETS", str(tmp_path))
+    monkeypatch.setattr(presets, "SHIPPED_DIR", tmp_path / "none")
+    assert diffkv_thresholds("m", None, None) == {"alpha_high": 1.0, "alpha_low": 0.02}
+    presets.save_preset("m", {"alpha_high": 2.0, "alpha_low": 0.1}, {})
+    assert diffkv_thresholds("m", None, None) == {"alpha_high": 2.0, "alpha_low": 0.1}
+    # Any threshold given on the command line turns the preset off.
+    assert diffkv_thresholds("m", 1.5, None) == {"alpha_high": 1.5, "alpha_low": 0.02}
+
+
+def test_shipped_preset_for_the_embedded_model(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFKV_JAX_PRESETS", str(tmp_path))  # no user presets
+    options, path = presets.load_preset("smollm2-135m")
+    assert path.parent == presets.SHIPPED_DIR
+    assert options["alpha_high"] > options["alpha_low"] >= 0
