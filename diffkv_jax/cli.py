@@ -173,8 +173,10 @@ def _run(args) -> int:
                              dtype=dtype, page_size=args.page_size, **options)
     except ValueError as e:
         raise GenerationInputError(str(e)) from None
+    # Every sequence at its longest, plus the pages one decode step may add per row.
     num_pages = sum(method.pages_for_tokens(min(len(p) + args.max_new_tokens, max_context))
                     for p in prompts)
+    num_pages += len(prompts) * cfg.num_layers * cfg.num_kv_heads * method.max_new_pages_per_row
     # The tokenizer detokenizes for the engine: stop strings, streamed text, Request.text.
     gen = Engine(cfg, params, method, num_pages=num_pages, dtype=dtype, detokenizer=tok)
 

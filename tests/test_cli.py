@@ -44,6 +44,14 @@ def test_default_diffkv_batch_generation(tmp_path):
     assert "kv cache (diffkv" in proc.stderr and "tiers: high" in proc.stderr
 
 
+def test_short_generation_gets_a_large_enough_pool(tmp_path):
+    # The pool must hold the prompt at its longest plus one decode step's headroom.
+    proc = run(["--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "3"],
+               tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() and "calibrated preset" in proc.stderr
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--model", "no-such-model", "--prompt", "hi"], "unknown model preset"),
     (["--model", "llama3-8b", "--prompt", "hi"], "llama3-8b"),
