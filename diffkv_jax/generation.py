@@ -162,6 +162,9 @@ class Generator:
             raise GenerationInputError(f"between 1 and {S} prompts per call, got {len(prompts)}")
         for p, s in zip(prompts, sampling):
             self.check_prompt(p, s)
+            if s.stop_strings:
+                raise GenerationInputError("stop strings need text: serve through "
+                                           "diffkv_jax.engine.Engine with a detokenizer")
         need = sum(self.method.pages_for_tokens(min(len(p) + s.max_new_tokens,
                                                     self.method.max_context))
                    for p, s in zip(prompts, sampling))

@@ -263,3 +263,14 @@ def test_generate_cli_stop(tmp_path):
     assert proc.returncode == 0, proc.stderr
     # The full answer is "The capital of France is Paris." (tests/test_cli.py).
     assert proc.stdout == "The capital of France is\n"
+
+
+def test_static_batch_generator_refuses_stop_strings(tiny_model):
+    from diffkv_jax.generation import GenerationInputError, Generator, SamplingParams
+    from diffkv_jax.methods import make_method
+
+    cfg, params = tiny_model
+    method = make_method("full", cfg, max_seqs=1, max_context=64, page_size=8)
+    gen = Generator(cfg, params, method, num_pages=4 * method.pages_for_tokens(64))
+    with pytest.raises(GenerationInputError, match="Engine"):
+        gen.generate([[1, 2, 3]], [SamplingParams(max_new_tokens=2, stop_strings=("x",))])
