@@ -153,12 +153,11 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
         else:
             metas = tuple(meta(r, ids) for r in (ks_ref, kz_ref, vs_ref, vz_ref)) \
                 if fmt.quantized else ()
-        if "v" in cfg.skip:
-            v = None
         return k, v, metas
 
     def operand(c):
-        """Integer codes as dot operands (``1024 + c`` under the magic conversion)."""
+        """Codes or 16-bit values as dot operands (codes become ``1024 + c`` under the
+        magic conversion, which only quantized tiers use)."""
         if magic:
             return lax.bitcast_convert_type(c.astype(jnp.uint16) | jnp.uint16(MAGIC_BITS),
                                             jnp.float16)
@@ -183,9 +182,7 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
                 acc += backend.dot(q_slice(i, w), deq((k >> (2 * i)) & 0x3, ks, kz),
                                    trans_b=True)
             return acc
-        if kb == 16:
-            acc = backend.dot(q_dt, _cast(k, dt), trans_b=True)
-        elif kb == 8:
+        if kb in (16, 8):
             acc = backend.dot(q_dt, operand(k), trans_b=True)
         elif kb == 4:
             acc = backend.dot(q_slice(0, D // 2), operand(k & 0xF), trans_b=True)
@@ -242,8 +239,8 @@ def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok
         else:
             pv, zero_term = p, 0.0
         pv = _cast(pv, dt)
-        outs = [o * corr[:, None] + backend.dot(pv, operand(vp) if fmt.quantized else _cast(vp, dt))
-                + zero_term for o, vp in zip(accs, vparts)]
+        outs = [o * corr[:, None] + backend.dot(pv, operand(vp)) + zero_term
+                for o, vp in zip(accs, vparts)]
         return (*outs, m_next, l_next, nxt)
 
     zeros = jnp.zeros((G, w), jnp.float32)

@@ -74,7 +74,7 @@ def run_method(label, name, options, cfg, params, args, prompts):
     sampling = SamplingParams(max_new_tokens=args.output_len, stop_token_ids=())
     submitted = time.perf_counter()
     ids = [engine.add_request(p, sampling) for p in prompts]
-    first_token, finished_at = {}, {}
+    first_token = {}
     batch_trace, step_wall = [], []
     t_start = time.perf_counter()
     while engine.has_unfinished():
@@ -90,16 +90,11 @@ def run_method(label, name, options, cfg, params, args, prompts):
         for rid in new:
             # Seconds since submission, compilation so far excluded.
             first_token.setdefault(rid, t1 - submitted - engine.compile_seconds)
-            r = engine.requests[rid]
-            if r.status == "finished":
-                finished_at[rid] = t1 - submitted - engine.compile_seconds
         if t1 - t_start - engine.compile_seconds > args.time_limit:
             break
     wall = time.perf_counter() - t_start - engine.compile_seconds
     gen_tokens = sum(len(engine.requests[i].output) for i in ids)
     done = [i for i in ids if engine.requests[i].status == "finished"]
-    # The first token of every request is produced by prefill; the others by decode.
-    itl = [engine.decode_seconds / max(1, len(batch_trace))]
     walls = [w for w, _ in step_wall]
     host = sum(max(0.0, w - d) for w, d in step_wall)
     stats = engine.peak_memory or method.memory_stats(engine.state)
@@ -117,7 +112,9 @@ def run_method(label, name, options, cfg, params, args, prompts):
         step_ms_p90=percentile(walls, 90) * 1e3, step_ms_p99=percentile(walls, 99) * 1e3,
         host_share=host / max(sum(walls), 1e-9),
         ttft_s_p50=percentile(ttft, 50), ttft_s_p90=percentile(ttft, 90),
-        per_token_ms=itl[0] * 1e3, batch_trace=batch_trace,
+        # Decode seconds per scheduling step: the time between a request's tokens.
+        per_token_ms=engine.decode_seconds / max(1, len(batch_trace)) * 1e3,
+        batch_trace=batch_trace,
         memory={k: (float(v) if isinstance(v, (int, float)) else v) for k, v in stats.items()
                 if isinstance(v, (int, float, str))},
     ), engine

@@ -65,8 +65,7 @@ def triton_ir(fn, *args) -> str:
     finally:
         pl.pallas_call = orig
     text = buf.getvalue()
-    body = text[text.index(MARK):].split("\n", 1)[1]
-    return body[: body.index("\n}\n") + 3] if "\n}\n" in body else body
+    return text[text.index(MARK):].split("\n", 1)[1]  # strip_locations cuts the module out
 
 
 def main() -> int:

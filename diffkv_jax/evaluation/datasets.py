@@ -90,6 +90,16 @@ def _first_context(task: str) -> str:
         records.close()  # closes the gzip file now rather than at garbage collection
 
 
+def _fewshot_exemplars(task: str, pattern: str, count: int, name: str
+                       ) -> tuple[tuple[str, str], ...]:
+    """The ``count`` (input, answer) pairs that ``pattern`` finds in the task's few-shot block."""
+    shots = re.findall(pattern, _first_context(task), re.S)
+    if len(shots) != count:
+        raise DataUnavailableError(f"expected {count} {name} exemplars in {task}, "
+                                   f"found {len(shots)}")
+    return tuple(shots)
+
+
 def _take(items: Iterable, limit: int | None) -> list:
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0 or None, got {limit}")
@@ -127,11 +137,7 @@ def gsm8k_fewshot_exemplars() -> tuple[tuple[str, str], ...]:
     STD:GSM8k``), which ends each answer with "So the answer is N."; the train
     split itself is not shipped.
     """
-    ctx = _first_context(_GSM8K)
-    shots = re.findall(r"Question: (.*?)\nAnswer: (.*?)\n\n", ctx, re.S)
-    if len(shots) != 8:
-        raise DataUnavailableError(f"expected 8 GSM8K exemplars in {_GSM8K}, found {len(shots)}")
-    return tuple(shots)
+    return _fewshot_exemplars(_GSM8K, r"Question: (.*?)\nAnswer: (.*?)\n\n", 8, "GSM8K")
 
 
 def gsm8k_prompt(ex: GSM8KExample, shots: int = 8) -> str:
@@ -193,11 +199,8 @@ def load_math500(limit: int | None = None) -> list[MathExample]:
 @functools.lru_cache(maxsize=None)
 def math_fewshot_exemplars() -> tuple[tuple[str, str], ...]:
     """The 4 fixed Minerva MATH exemplars (problem, solution) shipped with the task."""
-    ctx = _first_context(_MATH500)
-    shots = re.findall(r"Problem:\n(.*?)\n\nSolution: (.*?)\n\n(?=Problem:)", ctx, re.S)
-    if len(shots) != 4:
-        raise DataUnavailableError(f"expected 4 MATH exemplars in {_MATH500}, found {len(shots)}")
-    return tuple(shots)
+    return _fewshot_exemplars(_MATH500, r"Problem:\n(.*?)\n\nSolution: (.*?)\n\n(?=Problem:)",
+                              4, "MATH")
 
 
 def math500_prompt(ex: MathExample, shots: int = 4) -> str:
