@@ -119,7 +119,7 @@ def _run(args) -> int:
     import jax
     import jax.numpy as jnp
 
-    from diffkv_jax.engine import Engine
+    from diffkv_jax.engine import Engine, pages_to_serve
     from diffkv_jax.generation import GenerationInputError, SamplingParams, next_pow2
     from diffkv_jax.methods import make_method
     from models.loading import load_model
@@ -173,10 +173,8 @@ def _run(args) -> int:
                              dtype=dtype, page_size=args.page_size, **options)
     except ValueError as e:
         raise GenerationInputError(str(e)) from None
-    # Every sequence at its longest, plus the pages one decode step may add per row.
-    num_pages = sum(method.pages_for_tokens(min(len(p) + args.max_new_tokens, max_context))
-                    for p in prompts)
-    num_pages += len(prompts) * cfg.num_layers * cfg.num_kv_heads * method.max_new_pages_per_row
+    # Every sequence at its longest, plus the pages decode steps may add per row.
+    num_pages = sum(pages_to_serve(method, len(p) + args.max_new_tokens) for p in prompts)
     # The tokenizer detokenizes for the engine: stop strings, streamed text, Request.text.
     gen = Engine(cfg, params, method, num_pages=num_pages, dtype=dtype, detokenizer=tok)
 

@@ -427,13 +427,11 @@ class DiffKVCache:
         else:  # token-eviction baseline: prune the rule's victim (raw scores) or append
             d = pol.evict_decision(self.policy, sc_hi, hi.positions, hi.valid, n_hi_tok,
                                    n_lo_tok, cur_b, jnp.broadcast_to(plen[..., 0], cur_b.shape))
-        # 1. write back accumulated scores.
-        state = state.replace(scores=state.scores.at[
-            jnp.where(act[..., None] & hi.valid, hi.ids, skip), hi.slot].set(sc_hi, mode="drop"))
+        # 1. write back accumulated scores, a page row at a time (invalid slots of a
+        # gathered row carry their old score, so whole rows can be written).
+        state = state.replace(scores=self._write_score_rows(state, layer, HI, hi, sc_hi, act))
         if lo.ids.shape[-1]:
-            state = state.replace(scores=state.scores.at[
-                jnp.where(act[..., None] & lo.valid, lo.ids, skip), lo.slot].set(sc_lo,
-                                                                                 mode="drop"))
+            state = state.replace(scores=self._write_score_rows(state, layer, LO, lo, sc_lo, act))
         # 2. demoted victim -> its low slot (re-quantized from its stored high codes).
         if self.policy.low_tier:
             vh = jnp.maximum(d["victim_high"], 0)
@@ -460,6 +458,21 @@ class DiffKVCache:
         n_tok = state.n_tok.at[:S, layer].set(jnp.where(
             act[..., None], jnp.stack([d["n_high"], d["n_low"]], -1), state.n_tok[:S, layer]))
         return state.replace(n_tok=n_tok)
+
+    def _write_score_rows(self, state: DiffKVState, layer, tier: int, view: RowView, scores,
+                          active):
+        """``scores [S, H, n]`` of a gathered row back to its pages, one index per page.
+
+        Only pages the row owns are written (a gathered column past the row's page
+        count may name a page another row owns now); one scatter index per page
+        instead of per token keeps the write-back small next to the attention.
+        """
+        S, H, cap = self.max_seqs, self.num_kv_heads, self.cap(tier)
+        pids = view.ids[..., ::cap]  # [S, H, n_pages]
+        owned = jnp.arange(pids.shape[-1]) < state.n_pages[:S, layer, :, tier][..., None]
+        page = jnp.where(owned & active[..., None], pids, self.no_page(state))
+        rows = scores.reshape(S, H, pids.shape[-1], cap)
+        return _scatter_rows(state.scores, page, jnp.zeros_like(page), rows)
 
     def end_decode(self, state: DiffKVState, batch: DecodeBatch) -> DiffKVState:
         """Advance lengths; give each full tier region one more page (headroom)."""
@@ -502,21 +515,29 @@ class DiffKVCache:
             prompt_len=jnp.where(slot_mask, 0, state.prompt_len))
 
     # ---- accounting -------------------------------------------------------------------
+    def accounting_arrays(self, state: DiffKVState) -> tuple[jax.Array, ...]:
+        """The small device arrays the accounting reads (copy them to keep a snapshot)."""
+        return state.seq_len, state.n_tok, state.n_pages
+
+    def stats_from_arrays(self, arrays, slots=None):
+        """Accounting from host copies of :meth:`accounting_arrays`: the live slots'
+        totals, or (with ``slots``) one dict per slot."""
+        seq_len, n_tok, n_pages = map(np.asarray, arrays)
+        if slots is None:
+            S = self.max_seqs
+            return self._stats(seq_len[:S], n_tok[:S], n_pages[:S])
+        return [self._stats(seq_len[s:s + 1], n_tok[s:s + 1], n_pages[s:s + 1]) for s in slots]
+
     def memory_stats(self, state: DiffKVState) -> dict[str, Any]:
         """Measured bytes and tier fractions of the live sequences (host-side numbers)."""
-        S = self.max_seqs
-        seq_len, n_tok, n_pages = map(np.asarray, jax.device_get(
-            (state.seq_len, state.n_tok, state.n_pages)))
-        return self._stats(seq_len[:S], n_tok[:S], n_pages[:S])
+        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)))
 
     def slot_memory_stats(self, state: DiffKVState, slots) -> list[dict[str, Any]]:
         """:meth:`memory_stats` of each slot in ``slots`` alone (one host transfer).
 
         Summed over the live slots, the byte and token counts are :meth:`memory_stats`'.
         """
-        seq_len, n_tok, n_pages = map(np.asarray, jax.device_get(
-            (state.seq_len, state.n_tok, state.n_pages)))
-        return [self._stats(seq_len[s:s + 1], n_tok[s:s + 1], n_pages[s:s + 1]) for s in slots]
+        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)), slots)
 
     def _stats(self, seq_len: np.ndarray, n_tok: np.ndarray, n_pages: np.ndarray
                ) -> dict[str, Any]:

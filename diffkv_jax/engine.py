@@ -191,14 +191,27 @@ class Request:
     slot: int | None = None
     preemptions: int = 0
     admitted_at: int = -1  # scheduling order, newest admitted is preempted first
-    # The cache's accounting (``method.slot_memory_stats``) of this request's pages
-    # when it left its slot for good (finished or cancelled); None before. A row's
-    # pages never shrink while it decodes, so this is also the most it held.
-    kv_stats: dict | None = None
+    # Tokens sampled by steps whose results the host has not read yet, and the
+    # admission they belong to (a preempted request's in-flight tokens are dropped).
+    in_flight: int = 0
+    epoch: int = 0
     # Text of ``output`` (None when the engine has no detokenizer); fed every step
     # for requests with stop strings, on demand for the others.
     text_tracker: TextTracker | None = dataclasses.field(default=None, repr=False,
                                                          compare=False)
+    _kv_stats: dict | None = dataclasses.field(default=None, repr=False, compare=False)
+    _kv_read: Callable[[], None] | None = dataclasses.field(default=None, repr=False,
+                                                            compare=False)
+
+    @property
+    def kv_stats(self) -> dict | None:
+        """The cache's accounting (``method.slot_memory_stats``) of this request's
+        pages when it left its slot for good (finished or cancelled); None before.
+        A row's pages never shrink while it decodes, so this is also the most it
+        held. Read from the device on first access."""
+        if self._kv_stats is None and self._kv_read is not None:
+            self._kv_read()
+        return self._kv_stats
 
     @property
     def text(self) -> str | None:
@@ -219,14 +232,48 @@ class Request:
     def kv_bytes(self) -> int | None:
         """Measured cache bytes this request held: its pages (data + per-token
         metadata) plus its page-table rows; None until it has finished."""
-        if self.kv_stats is None:
+        stats = self.kv_stats
+        if stats is None:
             return None
-        return self.kv_stats["page_bytes"] + self.kv_stats["table_bytes"]
+        return stats["page_bytes"] + stats["table_bytes"]
 
     @property
     def context(self) -> list[int]:
         """Tokens the cache must hold before the next one is generated."""
         return self.prompt + self.output
+
+    @property
+    def generated(self) -> int:
+        """Tokens sampled so far, the ones still in flight included."""
+        return len(self.output) + self.in_flight
+
+
+@dataclasses.dataclass
+class _Dispatch:
+    """A device call whose results the host has not read yet.
+
+    ``tokens``: sampled tokens ``[n]`` with ``rows`` = (index, request id, epoch)
+    of the rows that count; ``free``: the pool's free-page count right after the
+    call (exact at that point of the device's queue); ``accounting``: copies of
+    the cache's accounting arrays taken before a release, with the (request id,
+    slot) pairs they describe.
+    """
+
+    order: int
+    free: jax.Array
+    tokens: jax.Array | None = None
+    rows: list = dataclasses.field(default_factory=list)
+    accounting: tuple | None = None
+    released: list = dataclasses.field(default_factory=list)
+    read: bool = False
+
+
+def pages_to_serve(method, tokens: int) -> int:
+    """Pool pages one request needs to reach ``tokens`` of context in an otherwise
+    empty :class:`Engine`: its pages plus what two decode steps may allocate (the
+    step in flight, whose allocation the host has not read yet, and the next)."""
+    step = method.num_layers * method.num_kv_heads * method.max_new_pages_per_row
+    return method.pages_for_tokens(min(tokens, method.max_context)) + 2 * step
 
 
 class Engine(Generator):
@@ -240,6 +287,12 @@ class Engine(Generator):
         with a ``decode(ids)`` method, such as the project's
         :class:`models.tokenizer.Tokenizer` (``decode(ids)``, special tokens kept).
         Without one, requests with ``stop_strings`` are refused.
+
+    Timing counters (compilation excluded): ``wait_seconds`` is the time
+    :meth:`step` spent blocked on device results, ``host_seconds`` the rest of
+    its time (scheduling and bookkeeping, overlapped with the device step in
+    flight). ``prefill_seconds`` / ``decode_seconds`` split the steps' wall time:
+    a step that prefilled counts as prefill, any other as decode.
     """
 
     def __init__(self, cfg, params, method, num_pages: int, dtype=jnp.float32,
@@ -249,6 +302,7 @@ class Engine(Generator):
         self.detokenizer = as_detokenizer(detokenizer)
         self._ids = itertools.count()
         self._admissions = itertools.count()
+        self._orders = itertools.count()
         self.requests: dict[int, Request] = {}
         self.waiting: collections.deque[int] = collections.deque()
         self.slots: list[int | None] = [None] * method.max_seqs
@@ -256,7 +310,24 @@ class Engine(Generator):
         # Throughput counters (compilation excluded) and the largest cache footprint seen.
         self.prefill_tokens = self.decode_tokens = 0
         self.prefill_seconds = self.decode_seconds = 0.0
+        self.wait_seconds = self.host_seconds = 0.0
         self.peak_memory: dict = {}
+        S = method.max_seqs
+        # Last sampled token of every slot, kept on the device: a decode step feeds
+        # the previous step's samples straight back, before the host has read them.
+        self._last = jnp.zeros(S, jnp.int32)
+        # Not donated: a dispatch record may still hold the previous array.
+        self._set_last = jax.jit(lambda last, slots, tok: last.at[slots].set(tok, mode="drop"))
+        # A copy of the free count (the state's own buffer is donated by the next step).
+        self._count_free = jax.jit(lambda st: st.free.num_free + 0)
+        self._snapshot = jax.jit(lambda st: jax.tree_util.tree_map(
+            jnp.copy, method.accounting_arrays(st)))
+        self._pending: list[_Dispatch] = []
+        # Free pages: exact after dispatch `_base_order`, minus the most each later
+        # dispatch may have allocated (releases count 0 until read).
+        self._base_order, self._base_free = -1, num_pages
+        self._costs: dict[int, int] = {}
+        self._sampling_static = None  # device sampling columns of the current slot map
 
     # -- public API ----------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> int:
@@ -268,10 +339,13 @@ class Engine(Generator):
             raise GenerationInputError(
                 "stop_strings need an Engine built with a detokenizer (Engine(..., "
                 "detokenizer=tokenizer))")
-        worst = self.method.pages_for_tokens(min(len(prompt) + 1, self.method.max_context))
-        if worst + self._reserve(1) > self.num_pages:
+        # Refuse what could not finish even alone: its longest context, plus the
+        # pages a step may take while the previous one is still in flight.
+        worst = pages_to_serve(self.method, len(prompt) + sampling.max_new_tokens)
+        if worst > self.num_pages:
             raise GenerationInputError(
-                f"prompt of {len(prompt)} tokens needs up to {worst} pages; the pool has "
+                f"a request of {len(prompt)} prompt tokens and up to "
+                f"{sampling.max_new_tokens} new ones needs up to {worst} pages; the pool has "
                 f"{self.num_pages}")
         rid = next(self._ids)
         tracker = None if self.detokenizer is None else TextTracker(
@@ -293,17 +367,46 @@ class Engine(Generator):
             req.status, req.finish_reason = "cancelled", "cancelled"
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting) or any(s is not None for s in self.slots)
+        """True while a request waits or runs, or device results are still unread."""
+        return bool(self.waiting) or bool(self._pending) or any(
+            s is not None for s in self.slots)
+
+    @property
+    def free_pages(self) -> int:
+        """Free pages in the pool: exact once every dispatched step has been read
+        (e.g. when the engine is idle), otherwise a lower bound."""
+        return self._base_free - sum(c for o, c in self._costs.items() if o > self._base_order)
+
+    @free_pages.setter
+    def free_pages(self, value: int) -> None:
+        # Only the base class sets it, before any dispatch: the pool is all free.
+        self._base_order, self._base_free, self._costs = -1, int(value), {}
 
     def step(self) -> dict[int, list[int]]:
-        """Run one scheduling iteration; returns the new tokens of each request."""
+        """Run one scheduling iteration; returns the new tokens of each request.
+
+        The iteration queues this step's prefill and decode on the device, then
+        reads the results of the previous iteration while they run, so the host's
+        bookkeeping overlaps the device's work. Tokens are therefore returned one
+        iteration after the step that sampled them; a request that ends on a stop
+        token has had one more token computed, which is dropped.
+        """
+        t0, c0 = time.perf_counter(), self.compile_seconds
         new: dict[int, list[int]] = collections.defaultdict(list)
-        self._admit(new)
+        unread = len(self._pending)
+        prefilled = self._admit()
         self._preempt_if_needed()
-        running = [i for i, r in enumerate(self.slots) if r is not None]
-        if running:
-            self._decode(running, new)
+        self._dispatch_decode()
+        wait = self._collect([d for d in self._pending[:unread] if not d.read], new)
         self.steps_run += 1
+        wall = time.perf_counter() - t0 - (self.compile_seconds - c0)
+        self.wait_seconds += wait
+        self.host_seconds += max(wall - wait, 0.0)
+        if prefilled:
+            self.prefill_seconds += wall
+        else:
+            self.decode_seconds += wall
+        self.last_step = (wall, wait)
         return dict(new)
 
     def run(self) -> Iterator[dict[int, list[int]]]:
@@ -354,11 +457,25 @@ class Engine(Generator):
         per_row = self.method.num_layers * self.method.num_kv_heads
         return rows * per_row * self.method.max_new_pages_per_row
 
-    def _admit(self, new) -> None:
+    def _decodable(self, r: Request) -> bool:
+        """Whether ``r`` still needs a token once its in-flight ones are counted
+        (length and context limits are known ahead; a stop token is not)."""
+        n = r.generated
+        return (r.status == "running" and n < r.sampling.max_new_tokens
+                and len(r.prompt) + n < self.method.max_context)
+
+    def _new_dispatch(self, free: jax.Array, cost: int, **fields) -> _Dispatch:
+        d = _Dispatch(order=next(self._orders), free=free, **fields)
+        self._costs[d.order] = cost
+        self._pending.append(d)
+        return d
+
+    def _admit(self) -> bool:
         free_slots = [i for i, r in enumerate(self.slots) if r is None]
         running = len(self.slots) - len(free_slots)
         batch: list[Request] = []
-        free = int(self.free_pages)
+        # A lower bound: the step in flight may still allocate (see free_pages).
+        free = self.free_pages
         while self.waiting and free_slots and len(batch) < self.max_prefill_batch:
             req = self.requests[self.waiting[0]]
             need = self.method.pages_for_tokens(len(req.context))
@@ -368,13 +485,17 @@ class Engine(Generator):
             req.slot = free_slots.pop(0)
             req.status = "running"
             req.admitted_at = next(self._admissions)
+            req.epoch += 1
+            req.in_flight = 0
             self.slots[req.slot] = req.id
             batch.append(req)
             free -= need
         if batch:
-            self._prefill(batch, new)
+            self._sampling_static = None
+            self._prefill(batch)
+        return bool(batch)
 
-    def _prefill(self, batch: list[Request], new) -> None:
+    def _prefill(self, batch: list[Request]) -> None:
         S = self.method.max_seqs
         B = next_pow2(len(batch))
         T = next_pow2(max(len(r.context) for r in batch), 16)
@@ -386,59 +507,91 @@ class Engine(Generator):
             toks[i, : len(ctx)] = ctx
             lens[i], slots[i] = len(ctx), r.slot
         pbatch = PrefillBatch(jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(slots))
-        t0, c0 = time.perf_counter(), self.compile_seconds
         self.state, logits = self._run("prefill", (B, T), self.steps.prefill, self.params,
                                        self.state, pbatch)
         smp = self._sampling_arrays([r.sampling for r in batch], B,
                                     steps=np.asarray([len(r.output) for r in batch]
                                                      + [0] * (B - len(batch)), np.int32))
-        first = np.asarray(self._run("sample", B, self._sample, logits, smp))
-        self.free_pages = int(jax.device_get(self.state.free.num_free))
-        self.prefill_seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
+        first = self._run("sample", B, self._sample, logits, smp)
+        self._last = self._run("set_last", B, self._set_last, self._last, pbatch.slots, first)
+        for r in batch:
+            r.in_flight = 1
         self.prefill_tokens += int(lens.sum())
-        done = []
-        for i, r in enumerate(batch):
-            if self._accept(r, int(first[i]), new):
-                done.append(r.slot)
-        self._free_slots(done)
+        need = sum(self.method.pages_for_tokens(len(r.context)) for r in batch)
+        self._new_dispatch(self._run("count", None, self._count_free, self.state), need,
+                           tokens=first,
+                           rows=[(i, r.id, r.epoch) for i, r in enumerate(batch)])
 
     def _preempt_if_needed(self) -> None:
-        running = sorted((r for r in self.slots if r is not None),
-                         key=lambda rid: self.requests[rid].admitted_at)
-        while running and int(self.free_pages) < self._reserve(len(running)):
-            victim = self.requests[running.pop()]
+        rows = sorted((rid for rid in self.slots if rid is not None
+                       and self._decodable(self.requests[rid])),
+                      key=lambda rid: self.requests[rid].admitted_at)
+        while rows and self.free_pages < self._reserve(len(rows)):
+            victim = self.requests[rows.pop()]
             victim.preemptions += 1
-            self._free_slots([victim.slot], requeue=True)
+            # Preemption is rare: wait for the release to learn the exact free count.
+            self._read_dispatch(self._free_slots([victim.slot], requeue=True))
 
-    def _decode(self, running: list[int], new) -> None:
+    def _dispatch_decode(self) -> None:
         S = self.method.max_seqs
+        rows = [i for i, rid in enumerate(self.slots)
+                if rid is not None and self._decodable(self.requests[rid])]
+        if not rows:
+            return
         active = np.zeros(S, bool)
-        active[running] = True
-        last = np.zeros(S, np.int32)
+        active[rows] = True
         steps = np.zeros(S, np.int32)
-        sampling = [SamplingParams()] * S
         longest = 0
-        for i in running:
+        for i in rows:
             r = self.requests[self.slots[i]]
-            last[i] = r.output[-1]
-            steps[i] = len(r.output)
-            sampling[i] = r.sampling
-            longest = max(longest, len(r.context))
-        width = self._page_width(longest + 1)
-        batch = DecodeBatch(jnp.asarray(last), jnp.asarray(active), width)
-        smp = self._sampling_arrays(sampling, S, steps=steps)
-        t0, c0 = time.perf_counter(), self.compile_seconds
+            steps[i] = r.generated
+            longest = max(longest, len(r.prompt) + r.generated)
+        width = self._page_width(longest)
+        batch = DecodeBatch(self._last, jnp.asarray(active), width)
+        if self._sampling_static is None:
+            sampling = [SamplingParams() if rid is None else self.requests[rid].sampling
+                        for rid in self.slots]
+            self._sampling_static = self._sampling_arrays(sampling, S, steps)
+        smp = self._sampling_static.replace(step=jnp.asarray(steps))
         self.state, tok, free = self._run("decode", width, self.steps.decode_and_sample,
                                           self.params, self.state, batch, smp)
-        tok, self.free_pages = jax.device_get((tok, free))
-        self.decode_seconds += time.perf_counter() - t0 - (self.compile_seconds - c0)
-        self.decode_tokens += len(running)
-        done = []
-        for i in running:
+        self._last = tok
+        rec_rows = []
+        for i in rows:
             r = self.requests[self.slots[i]]
-            if self._accept(r, int(tok[i]), new):
-                done.append(i)
+            r.in_flight += 1
+            rec_rows.append((i, r.id, r.epoch))
+        self.decode_tokens += len(rows)
+        self._new_dispatch(free, self._reserve(len(rows)), tokens=tok, rows=rec_rows)
+
+    def _collect(self, dispatches: list[_Dispatch], new) -> float:
+        """Read ``dispatches`` (in order), accept their tokens; returns seconds waited."""
+        if not dispatches:
+            return 0.0
+        t0 = time.perf_counter()
+        host = jax.device_get([(d.free, d.tokens) for d in dispatches])
+        waited = time.perf_counter() - t0
+        done = []
+        for d, (free, tokens) in zip(dispatches, host):
+            self._mark_read(d, int(free))
+            for i, rid, epoch in d.rows:
+                r = self.requests[rid]
+                if r.epoch != epoch or r.status != "running":
+                    continue  # preempted, cancelled or ended since: the token is dropped
+                r.in_flight -= 1
+                if self._accept(r, int(tokens[i]), new):
+                    done.append(r.slot)
+        self._pending = [d for d in self._pending if not d.read]
         self._free_slots(done)
+        return waited
+
+    def _mark_read(self, d: _Dispatch, free: int) -> None:
+        d.read = True
+        if d.order > self._base_order:
+            self._base_order, self._base_free = d.order, free
+            self._costs = {o: c for o, c in self._costs.items() if o > d.order}
+        if d.accounting is not None:
+            self._read_accounting(d)
 
     def _accept(self, r: Request, token: int, new) -> bool:
         """Record a sampled token; True when the request has finished."""
@@ -457,21 +610,25 @@ class Engine(Generator):
         r.status = "finished"
         return True
 
-    def _free_slots(self, slots: list[int], requeue: bool = False) -> None:
+    def _free_slots(self, slots: list[int], requeue: bool = False) -> _Dispatch | None:
         if not slots:
-            return
+            return None
+        accounting, released = None, []
         if not requeue:
-            stats = self.method.memory_stats(self.state)
-            if stats["page_bytes"] >= self.peak_memory.get("page_bytes", -1):
-                self.peak_memory = stats
-            # Read once per finishing step, before the pages go back to the pool.
-            for s, st in zip(slots, self.method.slot_memory_stats(self.state, slots)):
-                self.requests[self.slots[s]].kv_stats = st
+            # Copies of the accounting arrays before the pages go back to the pool,
+            # read (with the free count) when the host next reads results.
+            accounting = self._run("snapshot", None, self._snapshot, self.state)
+            released = [(self.slots[s], s) for s in slots]
         mask = np.zeros(self.method.max_seqs + 1, bool)
         mask[slots] = True
         self.state = self._run("release", None, self.steps.release, self.state,
                                jnp.asarray(mask))
-        self.free_pages = int(jax.device_get(self.state.free.num_free))
+        d = self._new_dispatch(self._run("count", None, self._count_free, self.state), 0,
+                               accounting=accounting,
+                               released=released)
+        for rid, _ in released:
+            self.requests[rid]._kv_read = lambda d=d: self._read_dispatch(d)
+        self._sampling_static = None
         for s in slots:
             rid = self.slots[s]
             self.slots[s] = None
@@ -479,4 +636,24 @@ class Engine(Generator):
             req.slot = None
             if requeue:
                 req.status = "waiting"
+                req.epoch += 1
+                req.in_flight = 0
                 self.waiting.appendleft(rid)
+        return d
+
+    def _read_dispatch(self, d: _Dispatch) -> None:
+        """Read one release out of turn (someone asked for a request's bytes)."""
+        if not d.read:
+            self._mark_read(d, int(jax.device_get(d.free)))
+            self._pending = [p for p in self._pending if not p.read]
+
+    def _read_accounting(self, d: _Dispatch) -> None:
+        arrays = jax.device_get(d.accounting)
+        stats = self.method.stats_from_arrays(arrays)
+        if stats["page_bytes"] >= self.peak_memory.get("page_bytes", -1):
+            self.peak_memory = stats
+        slots = [s for _, s in d.released]
+        for (rid, _), st in zip(d.released, self.method.stats_from_arrays(arrays, slots)):
+            self.requests[rid]._kv_stats = st
+            self.requests[rid]._kv_read = None
+        d.accounting = None

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 
 from diffkv_jax.diffkv_cache import DiffKVCache
 from diffkv_jax.diffkv_policy import EVICTION_RULES, DiffKVPolicy
+from diffkv_jax.fp8_cache import build_fp8
+from diffkv_jax.kivi_cache import build_kivi
 from diffkv_jax.paged_cache import FullCache
 from diffkv_jax.unified_page import Tier
 from models.config import ModelConfig
@@ -139,6 +141,8 @@ METHOD_SPECS: dict[str, MethodSpec] = {
     "full": MethodSpec(_build_full, {}, "uncompressed paged cache (the baseline)"),
     "int8": MethodSpec(_build_diffkv, _uniform(Tier(8, 8)), "every token K8V8, none pruned"),
     "k8v4": MethodSpec(_build_diffkv, _uniform(Tier(8, 4)), "every token K8V4, none pruned"),
+    "fp8": MethodSpec(build_fp8, {}, "every token FP8 e4m3, calibrated per-(layer, KV head) "
+                      "scales for K and V, none pruned"),
     "h2o": MethodSpec(_build_eviction, _eviction("h2o"),
                       "h2o (K8V8 storage): heavy hitters by accumulated attention + recent "
                       "window, fixed token budget"),
@@ -147,6 +151,10 @@ METHOD_SPECS: dict[str, MethodSpec] = {
     "snapkv": MethodSpec(_build_eviction, _eviction("snapkv"),
                          "snapkv (K8V8 storage): prompt tokens by pooled observation-window "
                          "votes + window, no eviction at decode"),
+    "kivi4": MethodSpec(build_kivi, dict(bits=4), "KIVI: 4-bit keys per channel, values "
+                        "per token, the newest tokens unquantized until a group fills"),
+    "kivi2": MethodSpec(build_kivi, dict(bits=2), "KIVI: 2-bit keys per channel, values "
+                        "per token, the newest tokens unquantized until a group fills"),
 }
 """Cache methods by name. Options a user gives go to the builder after ``fixed``."""
 
@@ -171,6 +179,10 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     ``obs_window``; ``sinks`` (streamingllm, default 4); ``pool_kernel`` (default 7)
     and ``pooling`` ("max" or "avg", snapkv); ``page_size``, ``attention_impl``.
     See :func:`_build_eviction` and :mod:`diffkv_jax.diffkv_policy`.
+    ``kivi4`` / ``kivi2`` (KIVI, every token kept): ``page_size`` (the group size, default
+    32), ``attention_impl`` ("reference" only); see :mod:`diffkv_jax.kivi_cache`.
+    ``fp8``: ``k_scale`` and ``v_scale`` (required; from
+    :func:`diffkv_jax.fp8_cache.calibrate_fp8_scales`), ``page_size``.
     """
     spec = METHOD_SPECS.get(name)
     if spec is None:

@@ -152,6 +152,7 @@ class FullCache:
                          state.k_pages.shape[0])
         page = page.transpose(0, 2, 1)  # [B, T, H]
         off = jnp.broadcast_to((t % self.page_size)[None, :, None], page.shape)
+        k, v = self._encode(layer, k, v)
         return state.replace(k_pages=scatter_set(state.k_pages, (page, off), k),
                              v_pages=scatter_set(state.v_pages, (page, off), v))
 
@@ -172,19 +173,31 @@ class FullCache:
         pos = state.lengths[:S]
         rows = state.page_table[:S, layer]  # [S, H, R]
         page = jnp.take_along_axis(rows, (pos // self.page_size)[:, None, None], axis=2)[..., 0]
-        page = jnp.where(batch.active[:, None], page, self.trash_page(state))  # [S, H]
+        # Inactive rows write past the pool, which the scatter drops: hundreds of rows
+        # aimed at one trash page serialize on the GPU.
+        page = jnp.where(batch.active[:, None], page, state.k_pages.shape[0])  # [S, H]
         off = jnp.broadcast_to((pos % self.page_size)[:, None], page.shape)
-        state = state.replace(k_pages=scatter_set(state.k_pages, (page, off), k[:, 0]),
-                              v_pages=scatter_set(state.v_pages, (page, off), v[:, 0]))
+        k, v = self._encode(layer, k[:, 0], v[:, 0])
+        state = state.replace(k_pages=scatter_set(state.k_pages, (page, off), k),
+                              v_pages=scatter_set(state.v_pages, (page, off), v))
         ids = rows[:, :, :batch.num_page_slots]
+        out = self._paged_attention(layer, q[:, 0], state.k_pages, state.v_pages, ids,
+                                    jnp.maximum(pos + 1, 1))
+        return state, out[:, None]
+
+    # Storage hooks: a cache that stores K/V in another form (e.g. scaled FP8)
+    # overrides these two and reuses the page management above unchanged.
+    def _encode(self, layer, k, v):
+        """K and V ``[..., KVH, D]`` of ``layer`` as the pages store them."""
+        return k, v
+
+    def _paged_attention(self, layer, q, k_pages, v_pages, page_ids, lengths):
+        """Decode attention of ``q [S, nq, D]`` over the pages ``page_ids [S, KVH, n]``."""
         if self.attention_impl == "pallas":
             from diffkv_jax.diffkv_kernel_attention import full_decode_attention
 
-            attend = full_decode_attention
-        else:
-            attend = attn_ref.paged_decode_attention
-        out = attend(q[:, 0], state.k_pages, state.v_pages, ids, jnp.maximum(pos + 1, 1))
-        return state, out[:, None]
+            return full_decode_attention(q, k_pages, v_pages, page_ids, lengths)
+        return attn_ref.paged_decode_attention(q, k_pages, v_pages, page_ids, lengths)
 
     def end_decode(self, state: PagedKVState, batch: DecodeBatch) -> PagedKVState:
         """Advance lengths, then give every row that filled its last page a fresh one."""
@@ -219,19 +232,28 @@ class FullCache:
             lengths=jnp.where(slot_mask, 0, state.lengths))
 
     # ---- accounting -------------------------------------------------------------
+    def accounting_arrays(self, state: PagedKVState) -> tuple[jax.Array, ...]:
+        """The small device arrays the accounting reads (copy them to keep a snapshot)."""
+        return state.lengths, state.num_pages
+
+    def stats_from_arrays(self, arrays, slots=None):
+        """Accounting from host copies of :meth:`accounting_arrays`: the live slots'
+        totals, or (with ``slots``) one dict per slot."""
+        lengths, num_pages = map(np.asarray, arrays)
+        if slots is None:
+            return self._stats(lengths[: self.max_seqs], num_pages[: self.max_seqs])
+        return [self._stats(lengths[s:s + 1], num_pages[s:s + 1]) for s in slots]
+
     def memory_stats(self, state: PagedKVState) -> dict[str, Any]:
         """Measured bytes of the cache held by live sequences (host-side numbers)."""
-        lengths = np.asarray(jax.device_get(state.lengths))[: self.max_seqs]
-        num_pages = np.asarray(jax.device_get(state.num_pages))[: self.max_seqs]
-        return self._stats(lengths, num_pages)
+        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)))
 
     def slot_memory_stats(self, state: PagedKVState, slots) -> list[dict[str, Any]]:
         """:meth:`memory_stats` of each slot in ``slots`` alone (one host transfer).
 
         Summed over the live slots, these are :meth:`memory_stats`.
         """
-        lengths, num_pages = map(np.asarray, jax.device_get((state.lengths, state.num_pages)))
-        return [self._stats(lengths[s:s + 1], num_pages[s:s + 1]) for s in slots]
+        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)), slots)
 
     def _stats(self, lengths: np.ndarray, num_pages: np.ndarray) -> dict[str, Any]:
         """Accounting of the slots given: ``lengths [n]``, ``num_pages [n, L, KVH]``."""

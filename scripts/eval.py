@@ -84,10 +84,15 @@ class EvalError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class MethodRun:
-    """A method to evaluate: its registry ``name``, ``options`` and result ``label``."""
+    """A method to evaluate: its registry ``name``, ``options`` and result ``label``.
+
+    ``calibrated``: options eval.py computed itself (fp8 scales); they go to
+    ``make_method`` under the given ones but stay out of the label.
+    """
 
     name: str
     options: tuple[tuple[str, Any], ...] = ()
+    calibrated: tuple[tuple[str, Any], ...] = dataclasses.field(default=(), compare=False)
 
     @property
     def label(self) -> str:
@@ -296,7 +301,7 @@ def build_method(run: MethodRun, cfg, *, max_seqs: int, max_context: int, dtype)
     """``make_method`` for ``run``; a ``dtype`` option overrides the compute dtype."""
     from diffkv_jax.methods import make_method
 
-    opts = dict(run.options)
+    opts = {**dict(run.calibrated), **dict(run.options)}
     opts.setdefault("dtype", dtype)
     try:
         return make_method(run.name, cfg, max_seqs=max_seqs, max_context=max_context, **opts)
@@ -306,10 +311,11 @@ def build_method(run: MethodRun, cfg, *, max_seqs: int, max_context: int, dtype)
 
 def pool_pages(method, args, label: str) -> int:
     """Pages of the pool: ``--kv-budget-mb`` worth, or enough for a full batch at max context."""
-    per_row_step = method.num_layers * method.num_kv_heads * method.max_new_pages_per_row
-    one = method.pages_for_tokens(method.max_context) + per_row_step
+    from diffkv_jax.engine import pages_to_serve
+
+    one = pages_to_serve(method, method.max_context)
     if args.kv_budget_mb is None:
-        return method.max_seqs * (method.pages_for_tokens(method.max_context) + per_row_step)
+        return method.max_seqs * one
     pages = int(args.kv_budget_mb * 2**20) // method.page_bytes
     if pages < one:
         raise EvalError(
@@ -613,6 +619,7 @@ def _main(args, model) -> int:
     cfg, params, tok = model
     dtype = jax.tree_util.tree_leaves(params)[0].dtype
     config["dtype"] = jnp.dtype(dtype).name
+    runs = with_fp8_scales(runs, cfg, params, dtype, tok, config)
     _check_config(args.out, config)
     if args.max_context > cfg.max_position_embeddings:
         raise EvalError(f"--max-context {args.max_context} is over {cfg.name}'s context "
@@ -661,6 +668,43 @@ def _main(args, model) -> int:
                   f"{engine.decode_seconds:.1f} s; prefill {engine.prefill_tokens} tokens in "
                   f"{engine.prefill_seconds:.1f} s", file=sys.stderr)
     return _report(args, config)
+
+
+#: Calibration text of fp8 runs given without scales: short, so it stays quick on a CPU.
+FP8_CALIBRATION_DOCS, FP8_CALIBRATION_TOKENS = 2, 512
+
+
+def with_fp8_scales(runs: list[MethodRun], cfg, params, dtype, tokenizer,
+                    config: dict) -> list[MethodRun]:
+    """``runs`` with calibrated K/V scales for every fp8 run that lacks them.
+
+    Calibrated once, on the text ``scripts/calibrate.py`` uses (CoQA stories
+    past the evaluation's), with the model being evaluated; the scales and
+    where they came from go into ``config["fp8_scales"]``.
+    """
+    todo = [i for i, r in enumerate(runs) if r.name == "fp8"
+            and not {"k_scale", "v_scale"} <= {k for k, _ in r.options}]
+    if not todo:
+        return runs
+    from diffkv_jax.evaluation.datasets import long_text_documents
+    from diffkv_jax.fp8_cache import DEFAULT_MARGIN, calibrate_fp8_scales
+    from scripts.calibrate import CALIBRATION_SKIP
+
+    t0 = time.perf_counter()
+    docs = [list(d.token_ids) for d in long_text_documents(
+        tokenizer.encode, FP8_CALIBRATION_TOKENS, FP8_CALIBRATION_DOCS, skip=CALIBRATION_SKIP)]
+    k_scale, v_scale = calibrate_fp8_scales(cfg, params, docs, dtype=dtype)
+    config["fp8_scales"] = {
+        "source": f"calibrated by scripts/eval.py: amax of K (after RoPE) and V per (layer, "
+                  f"KV head) over CoQA stories from passage {CALIBRATION_SKIP} on "
+                  f"(scripts/calibrate.py's calibration text), scale = margin * amax / 448",
+        "docs": FP8_CALIBRATION_DOCS, "tokens": FP8_CALIBRATION_TOKENS,
+        "margin": DEFAULT_MARGIN, "k_scale": k_scale, "v_scale": v_scale}
+    print(f"fp8: K/V scales calibrated on {FP8_CALIBRATION_DOCS} x {FP8_CALIBRATION_TOKENS} "
+          f"tokens of calibration text ({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    scales = (("k_scale", k_scale), ("v_scale", v_scale))
+    return [dataclasses.replace(r, calibrated=scales) if i in todo else r
+            for i, r in enumerate(runs)]
 
 
 def _engine(run: MethodRun, cfg, params, dtype, args, tokenizer):

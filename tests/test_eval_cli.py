@@ -84,9 +84,10 @@ def test_uniform_presets_keep_every_token_at_one_precision(tiny_model):
 class CountingFullCache(FullCache):
     """FullCache that logs every per-slot accounting call (how often the engine reads it)."""
 
-    def slot_memory_stats(self, state, slots):
-        CALLS.append(list(slots))
-        return super().slot_memory_stats(state, slots)
+    def stats_from_arrays(self, arrays, slots=None):
+        if slots is not None:
+            CALLS.append(list(slots))
+        return super().stats_from_arrays(arrays, slots)
 
 
 CALLS: list = []
@@ -147,7 +148,9 @@ def test_cancelled_request_gets_its_bytes_too(tiny_model):
     eng.cancel(rid)
     r = eng.requests[rid]
     assert r.status == "cancelled"
-    assert r.kv_stats["tokens"] == len(r.prompt) + len(r.output) - 1
+    # The cache also holds the input of the step still in flight when it was cancelled.
+    assert r.in_flight == 1
+    assert r.kv_stats["tokens"] == len(r.prompt) + len(r.output) - 1 + r.in_flight
     assert r.kv_stats["pages"] == method.pages_for_tokens(r.kv_stats["tokens"])
 
 
@@ -208,9 +211,13 @@ def test_eval_end_to_end_resume_and_reports(smollm, tmp_path, capsys):
         assert r.task_type == T.TASKS[r.dataset].kind
         assert not any(s in r.extra["text"] for s in T.TASKS[r.dataset].stop)
         # Cached at finish: the prompt and every generated token but the last sampled one
-        # (an EOS ending the answer is sampled but not counted in output_tokens).
+        # (an EOS ending the answer is sampled but not counted in output_tokens); a
+        # request that a stop token or string ended also cached the input of the
+        # step that was in flight when the host saw the stop.
+        reason = r.extra["finish_reason"]
         assert r.extra["kv"]["tokens"] == (r.extra["prompt_tokens"] + r.output_len - 1
-                                           + (r.extra["finish_reason"] == "stop"))
+                                           + (reason == "stop")
+                                           + (reason in ("stop", "stop_string")))
         ratio = r.kv_bytes / r.kv_bytes_16bit
         if r.method == "full":  # float32 pages (2x 16-bit) plus a headroom page
             assert ratio > 2.0

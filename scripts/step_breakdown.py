@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""Where a decode step's time goes: attention, cache write, compaction, the rest.
+
+For each cache method, ``--batch`` sequences of ``--context`` random tokens are
+prefilled (random weights of the model's real architecture), then decode steps
+are timed in three builds of the same jitted step that leave parts out:
+
+* ``step``: the real step (``decode_and_sample``, as the engine runs it);
+* ``no-attention``: the attention kernel left out (zero output and, for
+  DiffKV, zero probabilities), the cache write and policy update kept;
+* ``model-only``: no attention and no cache write (projections, MLP, norms,
+  logits, sampling, and the per-step page allocation).
+
+Compaction (``end_decode``: the per-step page allocation, one prefix sum over
+the free list, and the page-table update) is timed alone. So attention = step
+- no-attention, write (quantize + scatter, and DiffKV's score update and
+demotion) = no-attention - model-only, model = model-only - compaction. The same run times prompt scoring at ``--prompt``
+tokens against prefill attention (the reference, and cuDNN's fused attention
+where the backend has it) and checks the cuDNN output against the reference.
+
+    python scripts/step_breakdown.py --model llama3-8b --methods full,diffkv \\
+        --batch 64 --context 4096
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Ablated:
+    """A cache method with parts of its decode step left out (for timing only)."""
+
+    def __init__(self, method, drop: str):
+        self._m, self._drop = method, drop
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def decode_attention(self, state, layer, q, k, v, batch):
+        import jax.numpy as jnp
+
+        m = self._m
+        if self._drop == "step":
+            return m.decode_attention(state, layer, q, k, v, batch)
+        zero = jnp.zeros(q.shape, jnp.float32)
+        if self._drop == "model-only":
+            return state, zero
+        # no-attention: keep the write (and the policy update) without the kernel.
+        if m.name == "full":
+            from diffkv_jax.pool_writes import scatter_set
+
+            S = m.max_seqs
+            pos = state.lengths[:S]
+            rows = state.page_table[:S, layer]
+            page = jnp.take_along_axis(rows, (pos // m.page_size)[:, None, None], axis=2)[..., 0]
+            page = jnp.where(batch.active[:, None], page, state.k_pages.shape[0])
+            off = jnp.broadcast_to((pos % m.page_size)[:, None], page.shape)
+            return state.replace(k_pages=scatter_set(state.k_pages, (page, off), k[:, 0]),
+                                 v_pages=scatter_set(state.v_pages, (page, off), v[:, 0])), zero
+        n_hi, n_lo = m._widths(batch)
+        hi = m.gather_rows(state, layer, 0, n_hi, with_kv=False)
+        lo = m.gather_rows(state, layer, 1, n_lo, with_kv=False)
+        p_new = jnp.zeros(k.shape[:1] + k.shape[2:3], jnp.float32)
+        state = m.decode_update(state, layer, k[:, 0], v[:, 0], hi, lo,
+                                jnp.zeros_like(hi.scores), jnp.zeros_like(lo.scores), p_new,
+                                batch.active)
+        return state, zero
+
+VARIANTS = ("step", "no-attention", "model-only")
+
+
+def time_steps(fn, params, state, batch, smp, iters):
+    """Median seconds of ``iters`` chained calls (state donated); returns (t, state)."""
+    import jax
+
+    state, tok, _ = fn(params, state, batch, smp)  # warm-up (compiled already)
+    jax.block_until_ready(tok)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        state, tok, _ = fn(params, state, batch, smp)
+        jax.block_until_ready(tok)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2], state
+
+
+def breakdown(name, cfg, params, args):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from diffkv_jax.batch import DecodeBatch, PrefillBatch
+    from diffkv_jax.generation import Generator
+    from diffkv_jax.methods import make_method
+    from diffkv_jax.steps import CompiledSteps
+
+    B, C = args.batch, args.context
+    budget = (len(VARIANTS) + 1) * (args.iters + 2) + 8
+    options = {"attention_impl": args.attention}
+    if name == "diffkv":
+        options.update(alpha_high=args.alpha_high, alpha_low=args.alpha_low)
+    method = make_method(name, cfg, max_seqs=B, max_context=C + budget, dtype=jnp.bfloat16,
+                         **options)
+    num_pages = B * (method.pages_for_tokens(C + budget) + method.num_layers
+                     * method.num_kv_heads * method.max_new_pages_per_row)
+    steps = CompiledSteps(cfg, method, jnp.bfloat16)
+    state = method.init_state(num_pages)
+    rng = np.random.default_rng(args.seed)
+    pb = args.prefill_batch
+    t0 = time.perf_counter()
+    for s0 in range(0, B, pb):
+        toks = rng.integers(0, cfg.vocab_size, size=(pb, C)).astype(np.int32)
+        batch = PrefillBatch(jnp.asarray(toks), jnp.full((pb,), C, jnp.int32),
+                             jnp.arange(s0, s0 + pb, dtype=jnp.int32))
+        state, logits = steps.prefill(params, state, batch)
+    jax.block_until_ready(logits)
+    prefill_s = time.perf_counter() - t0
+    stats = method.memory_stats(state)
+    width = Generator._page_width(type("G", (), {"method": method})(), C + budget)
+    dbatch = DecodeBatch(jnp.asarray(rng.integers(0, cfg.vocab_size, size=B), jnp.int32),
+                         jnp.ones((B,), bool), width)
+    smp = Generator._sampling_arrays([], B, steps=np.zeros(B, np.int32))
+    row = dict(method=name, batch=B, context=C, prefill_s=prefill_s,
+               frac_high=stats.get("frac_high"), frac_low=stats.get("frac_low"),
+               frac_pruned=stats.get("frac_pruned"),
+               kv_ratio=(stats["page_bytes"] + stats["table_bytes"])
+               / stats["bytes_16bit_same_tokens"])
+    for v in VARIANTS:
+        vsteps = CompiledSteps(cfg, Ablated(method, v), jnp.bfloat16)
+        fn = vsteps.decode_and_sample.lower(params, state, dbatch, smp).compile()
+        t, state = time_steps(fn, params, state, dbatch, smp, args.iters)
+        row[v] = t * 1e3
+        print(f"  {name} {v}: {t * 1e3:.2f} ms", flush=True)
+    end = jax.jit(method.end_decode, donate_argnums=(0,))
+    jax.block_until_ready(state := end(state, dbatch))
+    times = []
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(state := end(state, dbatch))
+        times.append(time.perf_counter() - t0)
+    row["compaction_ms"] = sorted(times)[len(times) // 2] * 1e3
+    row["attention_ms"] = row["step"] - row["no-attention"]
+    row["write_ms"] = row["no-attention"] - row["model-only"]
+    row["model_ms"] = row["model-only"] - row["compaction_ms"]
+    return row
+
+
+def prompt_scoring_cost(cfg, args):
+    """Prefill attention vs prompt scoring for one layer at ``args.prompt`` tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from diffkv_jax import attention as attn
+    from diffkv_jax import prompt_scoring as ps
+
+    T, nq, H, D = args.prompt, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    kq, kk, kv = jax.random.split(jax.random.key(args.seed), 3)
+    q = jax.random.normal(kq, (1, T, nq, D), jnp.bfloat16)
+    k = jax.random.normal(kk, (1, T, H, D), jnp.bfloat16)
+    v = jax.random.normal(kv, (1, T, H, D), jnp.bfloat16)
+    lengths = jnp.asarray([T], jnp.int32)
+
+    def bench(f):
+        f = jax.jit(f)  # inputs as arguments: closed-over arrays would be constant-folded
+        jax.block_until_ready(f(q, k, v))
+        ts = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(q, k, v))
+            ts.append(time.perf_counter() - t0)
+        return sorted(ts)[len(ts) // 2] * 1e3
+
+    out = dict(prompt=T)
+    reference = lambda q, k, v: attn.causal_attention(q, k, v, lengths)  # noqa: E731
+    out["attention_reference_ms"] = bench(reference)
+    try:
+        fused = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=True, implementation="cudnn")
+        out["attention_cudnn_ms"] = bench(fused)
+        err = jnp.abs(jax.jit(fused)(q, k, v).astype(jnp.float32)
+                      - jax.jit(reference)(q, k, v)).max()
+        out["cudnn_max_abs_err"] = float(err)
+    except Exception as e:  # noqa: BLE001 - reported, not fatal: the backend may lack it
+        out["attention_cudnn_error"] = f"{type(e).__name__}: {e}"[:300]
+    out["window_scores_ms"] = bench(lambda q, k, v: ps.window_scores(q, k, lengths,
+                                                                     args.obs_window))
+    out["all_query_scores_ms"] = bench(lambda q, k, v: ps.all_query_scores(q, k, lengths))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama3-8b", help="preset name (random weights)")
+    p.add_argument("--methods", default="full,diffkv")
+    p.add_argument("--attention", default="pallas", choices=("reference", "pallas"))
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--prefill-batch", type=int, default=4)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--alpha-high", type=float, default=1.0)
+    p.add_argument("--alpha-low", type=float, default=0.02)
+    p.add_argument("--prompt", type=int, default=4096, help="prompt tokens for the scoring "
+                   "cost (0 skips it)")
+    p.add_argument("--obs-window", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    from models.config import get_preset
+    from models.loading import random_params
+
+    cfg = get_preset(args.model)
+    params = random_params(cfg, args.seed, jnp.bfloat16)
+    print(f"device {jax.devices()[0].device_kind}; model {cfg.name}; batch {args.batch} x "
+          f"{args.context} tokens", flush=True)
+    rows = [breakdown(m, cfg, params, args) for m in args.methods.split(",")]
+    scoring = prompt_scoring_cost(cfg, args) if args.prompt else None
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:
+            json.dump(dict(device=jax.devices()[0].device_kind, args=vars(args), rows=rows,
+                           scoring=scoring), fh, indent=1)
+    if scoring:
+        print("\nprompt scoring, one layer, "
+              + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                          for k, v in scoring.items()))
+    print(f"\n{'method':8s} {'step ms':>8s} {'attention':>10s} {'write':>8s} {'compaction':>11s} "
+          f"{'model':>8s} {'KV/16bit':>9s} {'tiers h/l/p':>14s}")
+    for r in rows:
+        tiers = ("-" if r["frac_high"] is None else
+                 f"{r['frac_high']:.0%}/{r['frac_low']:.0%}/{r['frac_pruned']:.0%}")
+        print(f"{r['method']:8s} {r['step']:8.2f} {r['attention_ms']:10.2f} {r['write_ms']:8.2f} "
+              f"{r['compaction_ms']:11.2f} {r['model_ms']:8.2f} {r['kv_ratio']:9.1%} {tiers:>14s}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
