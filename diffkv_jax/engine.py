@@ -191,8 +191,9 @@ class Request:
     slot: int | None = None
     preemptions: int = 0
     admitted_at: int = -1  # scheduling order, newest admitted is preempted first
-    # Tokens sampled by steps whose results the host has not read yet, and the
-    # admission they belong to (a preempted request's in-flight tokens are dropped).
+    # Tokens sampled by steps whose results the host had not read yet when it last
+    # read results (or when the request left its slot); the admission they belong
+    # to (a preempted request's in-flight tokens are dropped).
     in_flight: int = 0
     epoch: int = 0
     # Text of ``output`` (None when the engine has no detokenizer); fed every step
@@ -242,10 +243,6 @@ class Request:
         """Tokens the cache must hold before the next one is generated."""
         return self.prompt + self.output
 
-    @property
-    def generated(self) -> int:
-        """Tokens sampled so far, the ones still in flight included."""
-        return len(self.output) + self.in_flight
 
 
 @dataclasses.dataclass
@@ -289,10 +286,13 @@ class Engine(Generator):
         Without one, requests with ``stop_strings`` are refused.
 
     Timing counters (compilation excluded): ``wait_seconds`` is the time
-    :meth:`step` spent blocked on device results, ``host_seconds`` the rest of
-    its time (scheduling and bookkeeping, overlapped with the device step in
-    flight). ``prefill_seconds`` / ``decode_seconds`` split the steps' wall time:
-    a step that prefilled counts as prefill, any other as decode.
+    :meth:`step` spent blocked on device results, ``call_seconds`` the time
+    inside device calls (where the runtime dispatches asynchronously, only the
+    launch), ``host_seconds`` the rest: Python scheduling and bookkeeping. Host
+    time can only delay the device where it is not overlapped, so
+    ``host_seconds`` bounds the host overhead from above.
+    ``prefill_seconds`` / ``decode_seconds`` split the steps' wall time: a step
+    that prefilled counts as prefill, any other as decode.
     """
 
     def __init__(self, cfg, params, method, num_pages: int, dtype=jnp.float32,
@@ -328,6 +328,17 @@ class Engine(Generator):
         self._base_order, self._base_free = -1, num_pages
         self._costs: dict[int, int] = {}
         self._sampling_static = None  # device sampling columns of the current slot map
+        # Per-slot bookkeeping as arrays, so a step's scheduling does not loop over
+        # rows in Python: tokens generated (in flight included), the most a slot's
+        # request may generate, its prompt length, request id, admission epoch and
+        # order, and whether it is running.
+        self._gen = np.zeros(S, np.int64)
+        self._limit = np.zeros(S, np.int64)
+        self._plen = np.zeros(S, np.int64)
+        self._rid = np.full(S, -1, np.int64)
+        self._epoch = np.zeros(S, np.int64)
+        self._order = np.zeros(S, np.int64)
+        self._live = np.zeros(S, bool)
 
     # -- public API ----------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> int:
@@ -391,7 +402,7 @@ class Engine(Generator):
         iteration after the step that sampled them; a request that ends on a stop
         token has had one more token computed, which is dropped.
         """
-        t0, c0 = time.perf_counter(), self.compile_seconds
+        t0, c0, k0 = time.perf_counter(), self.compile_seconds, self.call_seconds
         new: dict[int, list[int]] = collections.defaultdict(list)
         unread = len(self._pending)
         prefilled = self._admit()
@@ -400,13 +411,14 @@ class Engine(Generator):
         wait = self._collect([d for d in self._pending[:unread] if not d.read], new)
         self.steps_run += 1
         wall = time.perf_counter() - t0 - (self.compile_seconds - c0)
+        calls = self.call_seconds - k0
         self.wait_seconds += wait
-        self.host_seconds += max(wall - wait, 0.0)
+        self.host_seconds += max(wall - wait - calls, 0.0)
         if prefilled:
             self.prefill_seconds += wall
         else:
             self.decode_seconds += wall
-        self.last_step = (wall, wait)
+        self.last_step = (wall, wait, calls)
         return dict(new)
 
     def run(self) -> Iterator[dict[int, list[int]]]:
@@ -457,12 +469,10 @@ class Engine(Generator):
         per_row = self.method.num_layers * self.method.num_kv_heads
         return rows * per_row * self.method.max_new_pages_per_row
 
-    def _decodable(self, r: Request) -> bool:
-        """Whether ``r`` still needs a token once its in-flight ones are counted
-        (length and context limits are known ahead; a stop token is not)."""
-        n = r.generated
-        return (r.status == "running" and n < r.sampling.max_new_tokens
-                and len(r.prompt) + n < self.method.max_context)
+    def _decodable(self) -> np.ndarray:
+        """Slots whose request still needs a token once its in-flight ones are
+        counted (length and context limits are known ahead; a stop token is not)."""
+        return np.flatnonzero(self._live & (self._gen < self._limit))
 
     def _new_dispatch(self, free: jax.Array, cost: int, **fields) -> _Dispatch:
         d = _Dispatch(order=next(self._orders), free=free, **fields)
@@ -516,6 +526,12 @@ class Engine(Generator):
         self._last = self._run("set_last", B, self._set_last, self._last, pbatch.slots, first)
         for r in batch:
             r.in_flight = 1
+            s = r.slot
+            self._gen[s] = len(r.output) + 1
+            self._limit[s] = min(r.sampling.max_new_tokens,
+                                 self.method.max_context - len(r.prompt))
+            self._plen[s], self._rid[s], self._epoch[s] = len(r.prompt), r.id, r.epoch
+            self._order[s], self._live[s] = r.admitted_at, True
         self.prefill_tokens += int(lens.sum())
         need = sum(self.method.pages_for_tokens(len(r.context)) for r in batch)
         self._new_dispatch(self._run("count", None, self._count_free, self.state), need,
@@ -523,30 +539,23 @@ class Engine(Generator):
                            rows=[(i, r.id, r.epoch) for i, r in enumerate(batch)])
 
     def _preempt_if_needed(self) -> None:
-        rows = sorted((rid for rid in self.slots if rid is not None
-                       and self._decodable(self.requests[rid])),
-                      key=lambda rid: self.requests[rid].admitted_at)
+        rows = self._decodable()
+        rows = list(rows[np.argsort(self._order[rows])])
         while rows and self.free_pages < self._reserve(len(rows)):
-            victim = self.requests[rows.pop()]
+            victim = self.requests[int(self._rid[rows.pop()])]
             victim.preemptions += 1
             # Preemption is rare: wait for the release to learn the exact free count.
             self._read_dispatch(self._free_slots([victim.slot], requeue=True))
 
     def _dispatch_decode(self) -> None:
         S = self.method.max_seqs
-        rows = [i for i, rid in enumerate(self.slots)
-                if rid is not None and self._decodable(self.requests[rid])]
-        if not rows:
+        rows = self._decodable()
+        if not len(rows):
             return
         active = np.zeros(S, bool)
         active[rows] = True
-        steps = np.zeros(S, np.int32)
-        longest = 0
-        for i in rows:
-            r = self.requests[self.slots[i]]
-            steps[i] = r.generated
-            longest = max(longest, len(r.prompt) + r.generated)
-        width = self._page_width(longest)
+        steps = np.where(active, self._gen, 0).astype(np.int32)
+        width = self._page_width(int((self._plen[rows] + self._gen[rows]).max()))
         batch = DecodeBatch(self._last, jnp.asarray(active), width)
         if self._sampling_static is None:
             sampling = [SamplingParams() if rid is None else self.requests[rid].sampling
@@ -556,11 +565,8 @@ class Engine(Generator):
         self.state, tok, free = self._run("decode", width, self.steps.decode_and_sample,
                                           self.params, self.state, batch, smp)
         self._last = tok
-        rec_rows = []
-        for i in rows:
-            r = self.requests[self.slots[i]]
-            r.in_flight += 1
-            rec_rows.append((i, r.id, r.epoch))
+        self._gen[rows] += 1
+        rec_rows = list(zip(rows.tolist(), self._rid[rows].tolist(), self._epoch[rows].tolist()))
         self.decode_tokens += len(rows)
         self._new_dispatch(free, self._reserve(len(rows)), tokens=tok, rows=rec_rows)
 
@@ -578,8 +584,9 @@ class Engine(Generator):
                 r = self.requests[rid]
                 if r.epoch != epoch or r.status != "running":
                     continue  # preempted, cancelled or ended since: the token is dropped
-                r.in_flight -= 1
-                if self._accept(r, int(tokens[i]), new):
+                done_now = self._accept(r, int(tokens[i]), new)
+                r.in_flight = int(self._gen[r.slot]) - len(r.output)
+                if done_now:
                     done.append(r.slot)
         self._pending = [d for d in self._pending if not d.read]
         self._free_slots(done)
@@ -629,10 +636,12 @@ class Engine(Generator):
         for rid, _ in released:
             self.requests[rid]._kv_read = lambda d=d: self._read_dispatch(d)
         self._sampling_static = None
+        self._live[slots] = False
         for s in slots:
             rid = self.slots[s]
             self.slots[s] = None
             req = self.requests[rid]
+            req.in_flight = int(self._gen[s]) - len(req.output)
             req.slot = None
             if requeue:
                 req.status = "waiting"

@@ -110,6 +110,9 @@ class Generator:
         self.state = method.init_state(num_pages)
         self._executables: dict = {}
         self.compile_seconds = 0.0
+        # Time spent inside device calls (dispatch; the whole step where the
+        # runtime executes synchronously), compilation excluded.
+        self.call_seconds = 0.0
         self.free_pages = num_pages  # as of the last completed step
 
     def _run(self, name: str, key, fn, *args):
@@ -121,12 +124,17 @@ class Generator:
         exe = self._executables.get((name, key))
         if exe is None:
             # Finish queued device work first, so it is not counted as compilation.
+            t0 = time.perf_counter()
             jax.block_until_ready(args)
+            self.call_seconds += time.perf_counter() - t0
             t0 = time.perf_counter()
             exe = fn.lower(*args).compile()
             self.compile_seconds += time.perf_counter() - t0
             self._executables[(name, key)] = exe
-        return exe(*args)
+        t0 = time.perf_counter()
+        out = exe(*args)
+        self.call_seconds += time.perf_counter() - t0
+        return out
 
     @property
     def num_compiled(self) -> int:

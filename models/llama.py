@@ -113,21 +113,29 @@ class LlamaForCausalLM(nn.Module):
       attention_fn: cache attention (see module docstring).
       dtype: compute dtype (float32 on the CPU, bfloat16 on the GPU for big models).
       param_dtype: dtype parameters are created with by ``init``.
+      unroll_layers: unroll the scan over layers (same parameters, same results).
+        None (default): unrolled on the GPU, where a rolled loop costs a
+        device-to-host read of the loop condition per layer (a Llama3-8B decode
+        step at batch 64 measured 14.4 ms rolled, 6.9 ms unrolled on an H200);
+        rolled elsewhere, where it compiles faster.
     """
 
     cfg: ModelConfig
     attention_fn: AttentionFn
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    unroll_layers: bool | None = None
 
     def setup(self):
         cfg = self.cfg
+        unroll = (jax.default_backend() == "gpu" if self.unroll_layers is None
+                  else self.unroll_layers)
         self.embed = nn.Embed(cfg.vocab_size, cfg.hidden_size, dtype=self.dtype,
                               param_dtype=self.param_dtype,
                               embedding_init=nn.initializers.normal(0.02))
         scanned = nn.scan(DecoderLayer, variable_axes={"params": 0},
                           split_rngs={"params": True}, in_axes=(0, nn.broadcast),
-                          length=cfg.num_layers,
+                          length=cfg.num_layers, unroll=cfg.num_layers if unroll else 1,
                           # The invariance check traces the body once more and, since
                           # JAX keeps every pallas_call alive under dead-code
                           # elimination, mistakes a kernel in the body for a

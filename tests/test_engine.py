@@ -28,6 +28,31 @@ def workload(cfg, n, rng, max_prompt=30, max_new=12):
     return prompts, sampling
 
 
+def serve_arrivals(eng, prompts, sampling, rng):
+    """Requests arriving over 600 steps, 2% of steps cancelling one; checks that the
+    others finish, that the pool forced preemption and that no page leaked."""
+    n = len(prompts)
+    ids, cancelled = [], set()
+    arrivals = sorted(rng.integers(0, 600, size=n))
+    step = 0
+    while len(ids) < n or eng.has_unfinished():
+        while len(ids) < n and arrivals[len(ids)] <= step:
+            ids.append(eng.add_request(prompts[len(ids)], sampling[len(ids)]))
+        if ids and rng.random() < 0.02:
+            victim = int(rng.choice(ids))
+            if eng.requests[victim].status in ("waiting", "running"):
+                eng.cancel(victim)
+                cancelled.add(victim)
+        eng.step()
+        step += 1
+        assert step < 20000
+    reqs = [eng.requests[i] for i in ids]
+    assert all(r.status == ("cancelled" if r.id in cancelled else "finished") for r in reqs)
+    assert any(r.preemptions for r in reqs), "the pool was meant to force preemption"
+    assert eng.free_pages == eng.num_pages
+    return reqs
+
+
 def test_continuous_batching_matches_alone(tiny_model):
     cfg, params = tiny_model
     rng = np.random.default_rng(0)
@@ -46,24 +71,7 @@ def test_stress_preemption_cancellation_and_leaks(tiny_model):
     probe = make_engine(cfg, params)
     small = probe.method.pages_for_tokens(56) * 2 + probe._reserve(4)
     eng = make_engine(cfg, params, pages=small)
-    ids, cancelled = [], set()
-    arrivals = sorted(rng.integers(0, 600, size=300))
-    step = 0
-    while len(ids) < 300 or eng.has_unfinished():
-        while len(ids) < 300 and arrivals[len(ids)] <= step:
-            ids.append(eng.add_request(prompts[len(ids)], sampling[len(ids)]))
-        if ids and rng.random() < 0.02:
-            victim = int(rng.choice(ids))
-            if eng.requests[victim].status in ("waiting", "running"):
-                eng.cancel(victim)
-                cancelled.add(victim)
-        eng.step()
-        step += 1
-        assert step < 20000
-    reqs = [eng.requests[i] for i in ids]
-    assert all(r.status == ("cancelled" if r.id in cancelled else "finished") for r in reqs)
-    assert any(r.preemptions for r in reqs), "the pool was meant to force preemption"
-    assert eng.free_pages == eng.num_pages
+    reqs = serve_arrivals(eng, prompts, sampling, rng)
     # Uncompressed cache: recomputation reproduces the cache exactly, so every
     # finished request, preempted or not, matches serving it alone.
     check = [r for r in reqs if r.status == "finished"][:40] + \
@@ -99,3 +107,23 @@ def test_bad_requests_are_refused_and_serving_continues(tiny_model):
     for _ in eng.run():
         pass
     assert eng.requests[ok].status == "finished" and len(eng.requests[ok].output) == 4
+
+
+def test_stress_diffkv_requests_never_preempted_match_alone(tiny_model):
+    """The stress workload on the compressed cache: a request that was never
+    preempted produces what it produces alone with the same cache method (its
+    compression decisions depend on its own tokens only)."""
+    cfg, params = tiny_model
+    rng = np.random.default_rng(4)
+    prompts, sampling = workload(cfg, 300, rng, max_prompt=40, max_new=16)
+    kw = dict(kind="diffkv", max_context=64, window=4, alpha_high=1.0, alpha_low=0.5)
+    probe = make_engine(cfg, params, **kw)
+    small = probe.method.pages_for_tokens(56) * 2 + 2 * probe._reserve(4)
+    eng = make_engine(cfg, params, pages=small, **kw)
+    reqs = serve_arrivals(eng, prompts, sampling, rng)
+    stats = [r.kv_stats for r in reqs if r.status == "finished"]
+    assert any(s["frac_low"] > 0 for s in stats), "thresholds were meant to demote tokens"
+    check = [r for r in reqs if r.status == "finished" and not r.preemptions][:40]
+    ref = alone(cfg, params, [r.prompt for r in check], [r.sampling for r in check], **kw)
+    assert [r.output for r in check] == ref
+    assert eng.num_compiled <= 24
