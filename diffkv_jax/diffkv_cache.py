@@ -48,6 +48,7 @@ from diffkv_jax import diffkv_policy as pol
 from diffkv_jax import free_list as fl
 from diffkv_jax import quantization as qz
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
+from diffkv_jax.paged_cache import SlotAccounting
 from diffkv_jax import prompt_scoring
 from diffkv_jax.pool_writes import scatter_set
 from diffkv_jax.unified_page import Tier, UnifiedPageLayout
@@ -93,7 +94,7 @@ class RowView:
 
 
 @dataclasses.dataclass(frozen=True)
-class DiffKVCache:
+class DiffKVCache(SlotAccounting):
     """DiffKV cache method (hashable: part of the jit cache key).
 
     Attributes:
@@ -527,17 +528,6 @@ class DiffKVCache:
             S = self.max_seqs
             return self._stats(seq_len[:S], n_tok[:S], n_pages[:S])
         return [self._stats(seq_len[s:s + 1], n_tok[s:s + 1], n_pages[s:s + 1]) for s in slots]
-
-    def memory_stats(self, state: DiffKVState) -> dict[str, Any]:
-        """Measured bytes and tier fractions of the live sequences (host-side numbers)."""
-        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)))
-
-    def slot_memory_stats(self, state: DiffKVState, slots) -> list[dict[str, Any]]:
-        """:meth:`memory_stats` of each slot in ``slots`` alone (one host transfer).
-
-        Summed over the live slots, the byte and token counts are :meth:`memory_stats`'.
-        """
-        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)), slots)
 
     def _stats(self, seq_len: np.ndarray, n_tok: np.ndarray, n_pages: np.ndarray
                ) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from diffkv_jax import attention as attn_ref
 from diffkv_jax import free_list as fl
 from diffkv_jax import quantization as quant
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
+from diffkv_jax.paged_cache import SlotPages
 from diffkv_jax.pool_writes import scatter_set
 
 _NEG = -1e30
@@ -129,7 +130,7 @@ class KiviState:
 
 
 @dataclasses.dataclass(frozen=True)
-class KiviCache:
+class KiviCache(SlotPages):
     """The KIVI cache method, with the interface of ``FullCache``. Hashable (a jit key).
 
     Attributes:
@@ -323,53 +324,16 @@ class KiviCache:
                              num_pages=state.num_pages.at[:S].add(got.astype(jnp.int32)),
                              free=free, alloc_failed=state.alloc_failed | ~ok)
 
-    # ---- lifecycle --------------------------------------------------------------
-    def release(self, state: KiviState, slot_mask: jax.Array) -> KiviState:
-        """Return every page of the masked slots (``[S + 1]`` bool) to the free list.
-
-        Their residuals need no clearing: a zero length marks every slot unused.
-        """
-        j = jnp.arange(self.row_len)
-        owned = slot_mask[:, None, None, None] & (j < state.num_pages[..., None])
-        ids = jnp.where(owned, state.page_table, -1)
-        free = fl.release(state.free, ids.reshape(-1, self.row_len))
-        table = jnp.where(slot_mask[:, None, None, None], self.trash_page(state), state.page_table)
-        return state.replace(
-            free=free, page_table=table,
-            num_pages=jnp.where(slot_mask[:, None, None], 0, state.num_pages),
-            lengths=jnp.where(slot_mask, 0, state.lengths))
-
-    # ---- accounting -------------------------------------------------------------
-    def accounting_arrays(self, state: KiviState) -> tuple[jax.Array, ...]:
-        """The small device arrays the accounting reads (copy them to keep a snapshot)."""
-        return state.lengths, state.num_pages
-
-    def stats_from_arrays(self, arrays, slots=None):
-        """Accounting from host copies of :meth:`accounting_arrays`: the live slots'
-        totals, or (with ``slots``) one dict per slot."""
-        lengths, num_pages = map(np.asarray, arrays)
-        if slots is None:
-            return self._stats(lengths[: self.max_seqs], num_pages[: self.max_seqs])
-        return [self._stats(lengths[s:s + 1], num_pages[s:s + 1]) for s in slots]
-
-    def memory_stats(self, state: KiviState) -> dict[str, Any]:
-        """Measured bytes of the cache held by live sequences (host-side numbers).
-
-        The keys of ``FullCache.memory_stats``, plus ``residual_bytes``: the residual
-        tokens in use at the storage dtype, already counted in ``page_bytes`` (and in
-        ``data_bytes``, which equals ``page_bytes``: a page is only ever a full group).
-        """
-        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)))
-
-    def slot_memory_stats(self, state: KiviState, slots) -> list[dict[str, Any]]:
-        """:meth:`memory_stats` of each slot in ``slots`` alone (one host transfer).
-
-        Summed over the live slots, these are :meth:`memory_stats`.
-        """
-        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)), slots)
-
+    # ---- accounting (release and the rest: SlotPages) ------------------------
     def _stats(self, lengths: np.ndarray, num_pages: np.ndarray) -> dict[str, Any]:
-        """Accounting of the slots given: ``lengths [n]``, ``num_pages [n, L, KVH]``."""
+        """Accounting of the slots given: ``lengths [n]``, ``num_pages [n, L, KVH]``.
+
+        The keys of ``FullCache``'s, plus ``residual_bytes``: the residual tokens in
+        use at the storage dtype, already counted in ``page_bytes`` (and in
+        ``data_bytes``, which equals ``page_bytes``: a page is only ever a full
+        group). Residuals need no clearing on release: a zero length marks every
+        slot unused.
+        """
         rows = self.num_layers * self.num_kv_heads
         pages = int(num_pages.sum())
         tokens = int(lengths.sum())

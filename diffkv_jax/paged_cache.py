@@ -45,8 +45,55 @@ class PagedKVState:
     alloc_failed: jax.Array  # [] bool, sticky: some allocation found the ring too short
 
 
+class SlotAccounting:
+    """``memory_stats`` / ``slot_memory_stats`` of a cache method, read through its
+    ``accounting_arrays`` (small device arrays) and ``stats_from_arrays`` (host side)."""
+
+    def memory_stats(self, state) -> dict[str, Any]:
+        """Measured bytes of the cache held by live sequences (host-side numbers)."""
+        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)))
+
+    def slot_memory_stats(self, state, slots) -> list[dict[str, Any]]:
+        """:meth:`memory_stats` of each slot in ``slots`` alone (one host transfer).
+
+        Summed over the live slots, these are :meth:`memory_stats`.
+        """
+        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)), slots)
+
+
+class SlotPages(SlotAccounting):
+    """Release and accounting of a cache whose state holds ``page_table [S + 1, L,
+    KVH, R]``, ``num_pages [S + 1, L, KVH]`` (a row's pages are its first
+    ``num_pages`` columns), ``lengths [S + 1]`` and a free list; ``_stats(lengths,
+    num_pages)`` turns host copies into bytes."""
+
+    def release(self, state, slot_mask: jax.Array):
+        """Return every page of the masked slots (``[S + 1]`` bool) to the free list."""
+        j = jnp.arange(self.row_len)
+        owned = slot_mask[:, None, None, None] & (j < state.num_pages[..., None])
+        ids = jnp.where(owned, state.page_table, -1)
+        free = fl.release(state.free, ids.reshape(-1, self.row_len))
+        table = jnp.where(slot_mask[:, None, None, None], self.trash_page(state), state.page_table)
+        return state.replace(
+            free=free, page_table=table,
+            num_pages=jnp.where(slot_mask[:, None, None], 0, state.num_pages),
+            lengths=jnp.where(slot_mask, 0, state.lengths))
+
+    def accounting_arrays(self, state) -> tuple[jax.Array, ...]:
+        """The small device arrays the accounting reads (copy them to keep a snapshot)."""
+        return state.lengths, state.num_pages
+
+    def stats_from_arrays(self, arrays, slots=None):
+        """Accounting from host copies of :meth:`accounting_arrays`: the live slots'
+        totals, or (with ``slots``) one dict per slot."""
+        lengths, num_pages = map(np.asarray, arrays)
+        if slots is None:
+            return self._stats(lengths[: self.max_seqs], num_pages[: self.max_seqs])
+        return [self._stats(lengths[s:s + 1], num_pages[s:s + 1]) for s in slots]
+
+
 @dataclasses.dataclass(frozen=True)
-class FullCache:
+class FullCache(SlotPages):
     """The uncompressed cache method. Hashable: it is part of the jit cache key.
 
     Attributes:
@@ -218,43 +265,7 @@ class FullCache:
                              num_pages=num_pages, free=free,
                              alloc_failed=state.alloc_failed | ~ok)
 
-    # ---- lifecycle --------------------------------------------------------------
-    def release(self, state: PagedKVState, slot_mask: jax.Array) -> PagedKVState:
-        """Return every page of the masked slots (``[S + 1]`` bool) to the free list."""
-        j = jnp.arange(self.row_len)
-        owned = slot_mask[:, None, None, None] & (j < state.num_pages[..., None])
-        ids = jnp.where(owned, state.page_table, -1)
-        free = fl.release(state.free, ids.reshape(-1, self.row_len))
-        table = jnp.where(slot_mask[:, None, None, None], self.trash_page(state), state.page_table)
-        return state.replace(
-            free=free, page_table=table,
-            num_pages=jnp.where(slot_mask[:, None, None], 0, state.num_pages),
-            lengths=jnp.where(slot_mask, 0, state.lengths))
-
     # ---- accounting -------------------------------------------------------------
-    def accounting_arrays(self, state: PagedKVState) -> tuple[jax.Array, ...]:
-        """The small device arrays the accounting reads (copy them to keep a snapshot)."""
-        return state.lengths, state.num_pages
-
-    def stats_from_arrays(self, arrays, slots=None):
-        """Accounting from host copies of :meth:`accounting_arrays`: the live slots'
-        totals, or (with ``slots``) one dict per slot."""
-        lengths, num_pages = map(np.asarray, arrays)
-        if slots is None:
-            return self._stats(lengths[: self.max_seqs], num_pages[: self.max_seqs])
-        return [self._stats(lengths[s:s + 1], num_pages[s:s + 1]) for s in slots]
-
-    def memory_stats(self, state: PagedKVState) -> dict[str, Any]:
-        """Measured bytes of the cache held by live sequences (host-side numbers)."""
-        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)))
-
-    def slot_memory_stats(self, state: PagedKVState, slots) -> list[dict[str, Any]]:
-        """:meth:`memory_stats` of each slot in ``slots`` alone (one host transfer).
-
-        Summed over the live slots, these are :meth:`memory_stats`.
-        """
-        return self.stats_from_arrays(jax.device_get(self.accounting_arrays(state)), slots)
-
     def _stats(self, lengths: np.ndarray, num_pages: np.ndarray) -> dict[str, Any]:
         """Accounting of the slots given: ``lengths [n]``, ``num_pages [n, L, KVH]``."""
         pages = int(num_pages.sum())
