@@ -4,9 +4,9 @@ State layout (one pytree, updated in place under donation):
 
 * page pool shared by all layers and heads, unified pages
   (:mod:`diffkv_jax.unified_page`): ``data [P + 1, data_bytes]`` uint8 and
-  per-slot side arrays ``k_scale, k_zero, v_scale, v_zero`` (float16),
-  ``scores`` (float32, accumulated probability), ``positions`` (int32);
-  page ``P`` is the trash page;
+  per-slot side arrays ``k_meta, v_meta`` (uint32: float16 scale and zero,
+  :func:`pallas_kernels.paged_decode.pack_meta`), ``scores`` (float32,
+  accumulated probability), ``positions`` (int32); page ``P`` is the trash page;
 * bidirectional page table ``[S + 1, L, H, R]``: high-tier pages from the left
   (columns ``0, 1, ...``), low-tier pages from the right (``R - 1, R - 2, ...``);
 * per row ``n_tok [S + 1, L, H, 2]`` (tokens per tier) and
@@ -52,6 +52,7 @@ from diffkv_jax.paged_cache import SlotAccounting
 from diffkv_jax import prompt_scoring
 from diffkv_jax.pool_writes import scatter_set
 from diffkv_jax.unified_page import Tier, UnifiedPageLayout
+from pallas_kernels import paged_decode as pdk
 
 HI, LO = 0, 1
 
@@ -61,10 +62,8 @@ class DiffKVState:
     """Device state of the DiffKV cache (an immutable pytree)."""
 
     data: jax.Array
-    k_scale: jax.Array
-    k_zero: jax.Array
-    v_scale: jax.Array
-    v_zero: jax.Array
+    k_meta: jax.Array
+    v_meta: jax.Array
     scores: jax.Array
     positions: jax.Array
     page_table: jax.Array
@@ -173,8 +172,7 @@ class DiffKVCache(SlotAccounting):
         meta = lambda dt: jnp.zeros((num_pages + 1, lay.slots), dt)  # noqa: E731
         return DiffKVState(
             data=jnp.zeros((num_pages + 1, lay.data_bytes), jnp.uint8),
-            k_scale=meta(jnp.float16), k_zero=meta(jnp.float16),
-            v_scale=meta(jnp.float16), v_zero=meta(jnp.float16),
+            k_meta=meta(jnp.uint32), v_meta=meta(jnp.uint32),
             scores=meta(jnp.float32), positions=meta(jnp.int32),
             page_table=jnp.full((S + 1, L, H, R), num_pages, jnp.int32),
             n_tok=jnp.zeros((S + 1, L, H, 2), jnp.int32),
@@ -206,15 +204,15 @@ class DiffKVCache(SlotAccounting):
         lay, t = self.layout, self._tier(tier)
         kp, ks, kz = qz.quantize_packed(k, t.k_bits)
         vp, vs, vz = qz.quantize_packed(v, t.v_bits)
-        tb = lay.token_bytes(tier)
-        # One window of token_bytes per token: [packed key | packed value].
-        row = jnp.concatenate([kp, vp], axis=-1)
-        data = _scatter_rows(state.data, page, slot * tb, row)
+        kw, cap = lay.key_width(tier), self.cap(tier)
+        # Keys are a token-major row of the page, values a column of its value rows.
+        data = _scatter_rows(state.data, page, slot * kw, kp)
+        data = _scatter_columns(data, cap, page, kw, slot, vp)
         at = (page, slot)
         return state.replace(
             data=data,
-            k_scale=scatter_set(state.k_scale, at, ks), k_zero=scatter_set(state.k_zero, at, kz),
-            v_scale=scatter_set(state.v_scale, at, vs), v_zero=scatter_set(state.v_zero, at, vz),
+            k_meta=scatter_set(state.k_meta, at, pdk.pack_meta(ks, kz)),
+            v_meta=scatter_set(state.v_meta, at, pdk.pack_meta(vs, vz)),
             scores=scatter_set(state.scores, at, score),
             positions=scatter_set(state.positions, at, pos))
 
@@ -226,16 +224,19 @@ class DiffKVCache(SlotAccounting):
     def _read_tokens(self, state: DiffKVState, tier: int, page, slot):
         """Dequantized ``(k, v)`` float32 ``[..., D]`` stored at ``(page, slot)``."""
         lay, t, D = self.layout, self._tier(tier), self.head_dim
-        kw, tb = lay.key_width(tier), lay.token_bytes(tier)
-        # One gather of the whole token row: every later write to the pool then
-        # depends on this read, so XLA can update the pool in place.
-        row = _gather_rows(state.data, page, slot * tb, tb)
-        kb, vb = row[..., :kw], row[..., kw:]
-        k = qz.dequantize_packed(kb, state.k_scale[page, slot], state.k_zero[page, slot],
-                                 t.k_bits, D)
-        v = qz.dequantize_packed(vb, state.v_scale[page, slot], state.v_zero[page, slot],
-                                 t.v_bits, D)
-        return k, v
+        kw, vw, cap = lay.key_width(tier), lay.value_width(tier), self.cap(tier)
+        # One gather of the token's own bytes (its key row and value column): every
+        # later write to the pool then depends on this read, so XLA can update the
+        # pool in place (two reads let it copy the pool instead).
+        s = slot[..., None]
+        cols = jnp.concatenate([s * kw + jnp.arange(kw), cap * kw + cap * jnp.arange(vw) + s],
+                               axis=-1)
+        tok = state.data[page[..., None], cols]
+        kb, vb = tok[..., :kw], tok[..., kw:]
+        ks, kz = pdk.unpack_meta(state.k_meta[page, slot])
+        vs, vz = pdk.unpack_meta(state.v_meta[page, slot])
+        return (qz.dequantize_packed(kb, ks, kz, t.k_bits, D),
+                qz.dequantize_packed(vb, vs, vz, t.v_bits, D))
 
     def gather_rows(self, state: DiffKVState, layer, tier: int, n_pages: int,
                     with_kv: bool = True) -> RowView:
@@ -258,11 +259,14 @@ class DiffKVCache(SlotAccounting):
             return RowView(ids=ids, slot=slot, valid=valid, scores=meta(state.scores),
                            positions=meta(state.positions), keys=None, values=None)
         blob = state.data[pids]  # [S, H, n_pages, data_bytes]
-        kw = lay.key_width(tier)
-        tokens = blob[..., :lay.used_bytes(tier)].reshape(S, H, n, lay.token_bytes(tier))
-        kb, vb = tokens[..., :kw], tokens[..., kw:]
-        k = qz.dequantize_packed(kb, meta(state.k_scale), meta(state.k_zero), t.k_bits, D)
-        v = qz.dequantize_packed(vb, meta(state.v_scale), meta(state.v_zero), t.v_bits, D)
+        kw, vw = lay.key_width(tier), lay.value_width(tier)
+        kb = blob[..., :cap * kw].reshape(S, H, n, kw)
+        vb = blob[..., cap * kw:cap * (kw + vw)].reshape(S, H, n_pages, vw, cap)
+        vb = vb.swapaxes(-1, -2).reshape(S, H, n, vw)
+        ks, kz = pdk.unpack_meta(meta(state.k_meta))
+        vs, vz = pdk.unpack_meta(meta(state.v_meta))
+        k = qz.dequantize_packed(kb, ks, kz, t.k_bits, D)
+        v = qz.dequantize_packed(vb, vs, vz, t.v_bits, D)
         return RowView(ids=ids, slot=slot, valid=valid, scores=meta(state.scores),
                        positions=meta(state.positions), keys=k, values=v)
 
@@ -385,95 +389,88 @@ class DiffKVCache(SlotAccounting):
 
     def decode_attention(self, state: DiffKVState, layer, q, k, v, batch: DecodeBatch):
         n_hi, n_lo = self._widths(batch)
-        kernel = self.attention_impl == "pallas"
-        hi = self.gather_rows(state, layer, HI, n_hi, with_kv=not kernel)
-        lo = self.gather_rows(state, layer, LO, n_lo, with_kv=not kernel)
-        if kernel:
-            from diffkv_jax.diffkv_kernel_attention import kernel_decode_attention
+        if self.attention_impl == "pallas":
+            from diffkv_jax.diffkv_kernel_attention import kernel_decode_step
 
-            out, p_hi, p_lo, p_new = kernel_decode_attention(
-                self, state, layer, q[:, 0], k[:, 0], v[:, 0], n_hi, n_lo)
-        else:
-            out, p_hi, p_lo, p_new = compressed_decode_attention(q[:, 0], k[:, 0], v[:, 0],
-                                                                 hi, lo)
+            state, out = kernel_decode_step(self, state, layer, q[:, 0], k[:, 0], v[:, 0],
+                                            n_hi, n_lo, batch.active)
+            return state, out[:, None]
+        hi = self.gather_rows(state, layer, HI, n_hi)
+        lo = self.gather_rows(state, layer, LO, n_lo)
+        out, p_hi, p_lo, p_new = compressed_decode_attention(q[:, 0], k[:, 0], v[:, 0], hi, lo)
         state = self.decode_update(state, layer, k[:, 0], v[:, 0], hi, lo, p_hi, p_lo, p_new,
                                    batch.active)
         return state, out[:, None]
 
+    def scoring_rows(self, state: DiffKVState, layer, active):
+        """Per tier the ``n_tok [S, H]`` the policy scores: 0 for inactive rows, which
+        must not change."""
+        S = self.max_seqs
+        return [jnp.where(active[:, None], state.n_tok[:S, layer, :, t], 0) for t in (HI, LO)]
+
     def decode_update(self, state: DiffKVState, layer, k_new, v_new, hi: RowView, lo: RowView,
                       p_hi, p_lo, p_new, active):
-        """Policy step for one layer: accumulate scores, demote/prune, place the newcomer.
+        """Policy step for one layer (plain jnp): accumulate scores, find the victims,
+        then :meth:`apply_decision`.
 
         Args:
           k_new, v_new: ``[S, H, D]`` the new token; hi, lo: gathered rows;
           p_hi, p_lo: ``[S, H, n]`` this step's probabilities (max over the group);
           p_new: ``[S, H]`` the newcomer's own probability; active: ``[S]``.
         """
+        from pallas_kernels.policy_scores import score_victims_reference
+
         S = self.max_seqs
-        # Writes of inactive rows and empty slots go nowhere (dropped).
-        skip = self.no_page(state)
+        caps = [self.cap(HI), self.cap(LO)]
+        pages = [hi.ids[..., ::caps[0]], lo.ids[..., ::caps[1]]]
+        scores, victims = score_victims_reference(
+            [p_hi, p_lo], pages, self.scoring_rows(state, layer, active), state.seq_len[:S],
+            state.prompt_len[:S], state.scores, state.positions, caps=caps,
+            rule=pol.victim_rule(self.policy))
+        return self.apply_decision(state.replace(scores=scores), layer, k_new, v_new, victims,
+                                   p_new, active)
+
+    def apply_decision(self, state: DiffKVState, layer, k_new, v_new, victims, p_new, active):
+        """Decide, demote or prune, and place the newcomer, from the rows' victims.
+
+        Args:
+          victims: per tier ``(slot, key, pos, score)`` ``[S, H]`` (see
+            :func:`pallas_kernels.policy_scores.score_victims`); the scores already
+            hold this step's probabilities.
+        """
+        S = self.max_seqs
+        skip = self.no_page(state)  # writes of inactive rows go nowhere (dropped)
         act = active[:, None]
-        sc_hi = hi.scores + jnp.where(hi.valid, p_hi, 0.0)
-        sc_lo = lo.scores + jnp.where(lo.valid, p_lo, 0.0)
         cur = state.seq_len[:S]
-        plen = state.prompt_len[:S][:, None, None]
-        cnt = lambda pos: pol.query_counts(self.policy, pos, plen, cur[:, None, None])  # noqa
         n_hi_tok = state.n_tok[:S, layer, :, HI]
         n_lo_tok = state.n_tok[:S, layer, :, LO]
         cur_b = jnp.broadcast_to(cur[:, None], n_hi_tok.shape)
+        (vh, key_h, pos_h, score_h), (vl, key_l, pos_l, _) = victims
         if self.policy.rule == "diffkv":
-            d = pol.decode_decision(self.policy, sc_hi / cnt(hi.positions), hi.positions,
-                                    hi.valid, sc_lo / cnt(lo.positions), lo.positions, lo.valid,
+            d = pol.decode_decision(self.policy, vh, key_h, pos_h, vl, key_l, pos_l,
                                     n_hi_tok, n_lo_tok, cur_b)
-        else:  # token-eviction baseline: prune the rule's victim (raw scores) or append
-            d = pol.evict_decision(self.policy, sc_hi, hi.positions, hi.valid, n_hi_tok,
-                                   n_lo_tok, cur_b, jnp.broadcast_to(plen[..., 0], cur_b.shape))
-        # 1. write back accumulated scores, a page row at a time (invalid slots of a
-        # gathered row carry their old score, so whole rows can be written).
-        state = state.replace(scores=self._write_score_rows(state, layer, HI, hi, sc_hi, act))
-        if lo.ids.shape[-1]:
-            state = state.replace(scores=self._write_score_rows(state, layer, LO, lo, sc_lo, act))
-        # 2. demoted victim -> its low slot (re-quantized from its stored high codes).
+        else:  # token-eviction baseline: prune the rule's victim or append
+            plen = jnp.broadcast_to(state.prompt_len[:S][:, None], cur_b.shape)
+            d = pol.evict_decision(self.policy, vh, n_hi_tok, n_lo_tok, plen)
+        rows = state.page_table[:S, layer]  # [S, H, R]
+        cap_h, cap_l = self.cap(HI), self.cap(LO)
+        page_at = lambda col: jnp.take_along_axis(rows, col[..., None], axis=-1)[..., 0]  # noqa
+        # 1. demoted victim -> its low slot (re-quantized from its stored high codes).
         if self.policy.low_tier:
-            vh = jnp.maximum(d["victim_high"], 0)
-            take = lambda a: jnp.take_along_axis(a, vh[..., None], axis=-1)[..., 0]  # noqa
-            # The victim's stored high-tier codes, dequantized, then re-quantized low.
-            vk, vv = self._read_tokens(state, HI, take(hi.ids), take(hi.slot))
+            v_idx = jnp.maximum(vh, 0)
+            vk, vv = self._read_tokens(state, HI, page_at(v_idx // cap_h), v_idx % cap_h)
             demote = act & (d["low_slot"] >= 0)
             ls = jnp.maximum(d["low_slot"], 0)
-            cap_l = self.cap(LO)
-            lo_rows = state.page_table[:S, layer]  # [S, H, R]
-            lo_col = self.row_len - 1 - ls // cap_l
-            lo_page = jnp.take_along_axis(lo_rows, lo_col[..., None], axis=-1)[..., 0]
-            lo_page = jnp.where(demote, lo_page, skip)
-            state = self._write_tokens(state, LO, lo_page, ls % cap_l, vk, vv,
-                                       take(sc_hi), take(hi.positions))
-        # 3. newcomer -> high slot (victim's slot or appended).
-        cap_h = self.cap(HI)
+            lo_page = jnp.where(demote, page_at(self.row_len - 1 - ls // cap_l), skip)
+            state = self._write_tokens(state, LO, lo_page, ls % cap_l, vk, vv, score_h, pos_h)
+        # 2. newcomer -> high slot (victim's slot or appended).
         ns = d["new_slot"]
-        hi_rows = state.page_table[:S, layer]
-        hi_page = jnp.take_along_axis(hi_rows, (ns // cap_h)[..., None], axis=-1)[..., 0]
-        hi_page = jnp.where(act, hi_page, skip)
+        hi_page = jnp.where(act, page_at(ns // cap_h), skip)
         state = self._write_tokens(state, HI, hi_page, ns % cap_h, k_new, v_new, p_new,
-                                   jnp.broadcast_to(cur[:, None], ns.shape))
+                                   cur_b)
         n_tok = state.n_tok.at[:S, layer].set(jnp.where(
             act[..., None], jnp.stack([d["n_high"], d["n_low"]], -1), state.n_tok[:S, layer]))
         return state.replace(n_tok=n_tok)
-
-    def _write_score_rows(self, state: DiffKVState, layer, tier: int, view: RowView, scores,
-                          active):
-        """``scores [S, H, n]`` of a gathered row back to its pages, one index per page.
-
-        Only pages the row owns are written (a gathered column past the row's page
-        count may name a page another row owns now); one scatter index per page
-        instead of per token keeps the write-back small next to the attention.
-        """
-        S, H, cap = self.max_seqs, self.num_kv_heads, self.cap(tier)
-        pids = view.ids[..., ::cap]  # [S, H, n_pages]
-        owned = jnp.arange(pids.shape[-1]) < state.n_pages[:S, layer, :, tier][..., None]
-        page = jnp.where(owned & active[..., None], pids, self.no_page(state))
-        rows = scores.reshape(S, H, pids.shape[-1], cap)
-        return _scatter_rows(state.scores, page, jnp.zeros_like(page), rows)
 
     def end_decode(self, state: DiffKVState, batch: DecodeBatch) -> DiffKVState:
         """Advance lengths; give each full tier region one more page (headroom)."""
@@ -565,13 +562,18 @@ def _scatter_rows(data, page, start, rows):
                            mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
-def _gather_rows(data, page, start, width: int):
-    """``data[page, start : start + width]`` for every index: ``[..., width]``."""
-    idx = jnp.stack([page, start], axis=-1).astype(jnp.int32)
-    dnums = jax.lax.GatherDimensionNumbers(offset_dims=(idx.ndim - 1,), collapsed_slice_dims=(0,),
-                                           start_index_map=(0, 1))
-    return jax.lax.gather(data, idx, dnums, slice_sizes=(1, width),
-                          mode=jax.lax.GatherScatterMode.CLIP)
+def _scatter_columns(data, cap: int, page, row, col, cols):
+    """Seen as ``[P, rows, cap]``: ``data[page, row : row + w, col] = cols`` for every
+    index (``cols [..., w]``); out-of-range pages are dropped."""
+    P, width = data.shape
+    w = cols.shape[-1]
+    view = data.reshape(P, width // cap, cap)
+    idx = jnp.stack([page, jnp.full_like(page, row), col], axis=-1).reshape(-1, 3)
+    dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0, 2),
+                                            scatter_dims_to_operand_dims=(0, 1, 2))
+    view = jax.lax.scatter(view, idx.astype(jnp.int32), cols.reshape(-1, w).astype(data.dtype),
+                           dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+    return view.reshape(P, width)
 
 
 def compressed_decode_attention(q, k_new, v_new, hi: RowView, lo: RowView):

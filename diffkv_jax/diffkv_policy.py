@@ -202,14 +202,15 @@ def classify_prompt(policy: DiffKVPolicy, importance, prompt_len):
     return jnp.where(pos < L, tier, EMPTY).astype(jnp.int32)
 
 
-def decode_decision(policy: DiffKVPolicy, imp_high, pos_high, valid_high, imp_low, pos_low,
-                    valid_low, n_high, n_low, cur_pos):
-    """One generation-phase decision per row.
+def decode_decision(policy: DiffKVPolicy, vh, imp_vh, pos_vh, vl, imp_vl, pos_vl, n_high,
+                    n_low, cur_pos):
+    """One generation-phase decision per row, from the rows' victims.
 
     Args:
-      imp_high: ``[..., Nh]`` importance of high slots; pos_high their positions;
-        valid_high marks occupied slots (the newcomer is not among them).
-      imp_low, pos_low, valid_low: ``[..., Nl]`` the same for the low slots.
+      vh, imp_vh, pos_vh: ``[...]`` the high victim (the least important high token
+        outside the recent window; slot -1 when there is none), its importance and
+        position (:func:`pallas_kernels.policy_scores.score_victims` finds them).
+      vl, imp_vl, pos_vl: the same for the low victim (the least important low token).
       n_high, n_low: ``[...]`` occupied slots per tier.
       cur_pos: ``[...]`` position of the newcomer (sequence length after it is N = cur_pos + 1).
     Returns:
@@ -218,27 +219,10 @@ def decode_decision(policy: DiffKVPolicy, imp_high, pos_high, valid_high, imp_lo
       ``new_slot`` (high slot the newcomer takes), ``low_slot`` (low slot the
       demoted victim takes, -1 if none), ``n_high``, ``n_low`` (after the step).
     """
-    inf = jnp.float32(jnp.inf)
-    N = (cur_pos + 1)[..., None]
-    eligible = valid_high & (pos_high <= cur_pos[..., None] - policy.window)
-    vh = jnp.argmin(jnp.where(eligible, imp_high, inf), axis=-1).astype(jnp.int32)
-    has_vh = eligible.any(-1)
-    imp_vh = jnp.take_along_axis(imp_high, vh[..., None], axis=-1)[..., 0]
-    pos_vh = jnp.take_along_axis(pos_high, vh[..., None], axis=-1)[..., 0]
-    n_vh = _norm(policy, N[..., 0], pos_vh)
+    N = cur_pos + 1
+    has_vh, has_vl = vh >= 0, vl >= 0
+    n_vh = _norm(policy, N, pos_vh)
     th_h, th_l = policy.alpha_high / n_vh, policy.alpha_low / n_vh
-
-    if valid_low.shape[-1]:
-        vl = jnp.argmin(jnp.where(valid_low, imp_low, inf), axis=-1).astype(jnp.int32)
-        imp_vl = jnp.take_along_axis(imp_low, vl[..., None], axis=-1)[..., 0]
-        pos_vl = jnp.take_along_axis(pos_low, vl[..., None], axis=-1)[..., 0]
-        has_vl = valid_low.any(-1)
-    else:
-        vl = jnp.zeros(n_low.shape, jnp.int32)
-        imp_vl = jnp.full(n_low.shape, inf)
-        pos_vl = jnp.zeros(n_low.shape, jnp.int32)
-        has_vl = jnp.zeros(n_low.shape, bool)
-
     if policy.low_tier:
         leaves = has_vh & (imp_vh <= th_h)
         demote = leaves & (imp_vh >= th_l)
@@ -246,7 +230,7 @@ def decode_decision(policy: DiffKVPolicy, imp_high, pos_high, valid_high, imp_lo
         leaves = has_vh & (imp_vh < th_l)
         demote = jnp.zeros_like(leaves)
     # The low victim is pruned (and its slot reused) only below its own alpha_low / n.
-    reuse_low = demote & has_vl & (imp_vl < policy.alpha_low / _norm(policy, N[..., 0], pos_vl))
+    reuse_low = demote & has_vl & (imp_vl < policy.alpha_low / _norm(policy, N, pos_vl))
     action = jnp.where(~leaves, APPEND,
                        jnp.where(~demote, PRUNE_HIGH_VICTIM,
                                  jnp.where(reuse_low, DEMOTE_INTO_PRUNED_LOW,
@@ -255,8 +239,8 @@ def decode_decision(policy: DiffKVPolicy, imp_high, pos_high, valid_high, imp_lo
     low_slot = jnp.where(reuse_low, vl, jnp.where(demote, n_low, -1))
     return {
         "action": action.astype(jnp.int32),
-        "victim_high": jnp.where(leaves, vh, -1),
-        "victim_low": jnp.where(reuse_low, vl, -1),
+        "victim_high": jnp.where(leaves, vh, -1).astype(jnp.int32),
+        "victim_low": jnp.where(reuse_low, vl, -1).astype(jnp.int32),
         "new_slot": new_slot.astype(jnp.int32),
         "low_slot": low_slot.astype(jnp.int32),
         "n_high": (n_high + (~leaves)).astype(jnp.int32),
@@ -343,37 +327,22 @@ def select_prompt(policy: DiffKVPolicy, score_sum, prompt_len):
     return jnp.where(real, tier, EMPTY).astype(jnp.int32)
 
 
-def evict_decision(policy: DiffKVPolicy, score_high, pos_high, valid_high, n_high, n_low,
-                   cur_pos, prompt_len):
+def evict_decision(policy: DiffKVPolicy, vh, n_high, n_low, prompt_len):
     """One decode decision per row under an eviction rule (same outputs as :func:`decode_decision`).
 
-    The newcomer (position ``cur_pos``) joins the row; if the row would then hold more than
-    its :func:`row_budget`, one victim is pruned (PRUNE_HIGH_VICTIM, the newcomer takes its
-    slot), else the newcomer is appended (APPEND). Victims: "h2o" the lowest raw accumulated
-    score outside the newest ``window`` positions (ties: the older token); "streamingllm"
-    the oldest token at position >= ``sinks``; "snapkv" never evicts.
+    The newcomer joins the row; if the row would then hold more than its
+    :func:`row_budget`, the rule's victim ``vh`` (slot, -1 when none is eligible) is
+    pruned (PRUNE_HIGH_VICTIM, the newcomer takes its slot), else the newcomer is
+    appended (APPEND). Victims (:func:`pallas_kernels.policy_scores.score_victims`):
+    "h2o" the lowest raw accumulated score outside the newest ``window`` positions
+    (ties: the older token); "streamingllm" the oldest token at position >= ``sinks``;
+    "snapkv" never evicts.
 
     Args:
-      score_high: ``[..., Nh]`` raw accumulated scores (this step's probability included);
-        pos_high, valid_high: positions and occupancy of the high slots.
-      n_high, n_low, cur_pos, prompt_len: ``[...]`` int32.
+      vh, n_high, n_low, prompt_len: ``[...]`` int32.
     """
-    imax = jnp.iinfo(jnp.int32).max
-    cur = cur_pos[..., None]
-    if policy.rule == "snapkv":
-        eligible = jnp.zeros_like(valid_high)
-        key = jnp.zeros(score_high.shape, jnp.float32)
-    elif policy.rule == "streamingllm":
-        eligible = valid_high & (pos_high >= policy.sinks)
-        key = jnp.zeros(score_high.shape, jnp.float32)  # all tie: the oldest is the victim
-    else:  # h2o
-        eligible = valid_high & (pos_high <= cur - policy.window)
-        key = score_high.astype(jnp.float32)
-    low = jnp.min(jnp.where(eligible, key, jnp.inf), axis=-1, keepdims=True)
-    tied = eligible & (key == low)
-    vh = jnp.argmin(jnp.where(tied, pos_high, imax), axis=-1).astype(jnp.int32)
     over = n_high + 1 > row_budget(policy, prompt_len)
-    leaves = over & eligible.any(-1)
+    leaves = over & (vh >= 0)
     action = jnp.where(leaves, PRUNE_HIGH_VICTIM, APPEND)
     return {
         "action": action.astype(jnp.int32),
@@ -384,3 +353,11 @@ def evict_decision(policy: DiffKVPolicy, score_high, pos_high, valid_high, n_hig
         "n_high": (n_high + (~leaves)).astype(jnp.int32),
         "n_low": jnp.asarray(n_low, jnp.int32),
     }
+
+
+def victim_rule(policy: DiffKVPolicy):
+    """The victim search settings of ``policy`` (:class:`~pallas_kernels.policy_scores.VictimRule`)."""
+    from pallas_kernels.policy_scores import VictimRule
+
+    return VictimRule(rule=policy.rule, window=policy.window, sinks=policy.sinks,
+                      obs_window=policy.obs_window)

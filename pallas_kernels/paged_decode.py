@@ -1,29 +1,37 @@
-"""Paged decode attention over quantized (or 16-bit) pages, one tier per launch.
+"""Paged decode attention over quantized (or 16-bit) pages, all tiers of a row in one launch.
 
-One program per (sequence, KV head, split) covers the whole GQA group: it
-walks its share of the row's pages in blocks, computes ``q . k`` straight from
-the packed codes with the scale/zero identity
+One program per (sequence, KV head, split) covers the whole GQA group (the
+query rows of one KV head, padded to the 16 rows of the smallest dot tile on
+the GPU). It walks its share of the row's pages tier after tier (DiffKV's high
+pages, then its low pages) one page per step, and keeps one online softmax
+across tiers. Keys enter the ``q . k`` dot as integer codes and the per-token
+scale/zero are applied to the logits; values likewise through the
+probabilities:
 
     q . k_hat = scale_k * (q . codes_k) + zero_k * sum(q)
     sum_t p_t v_hat_t = sum_t (p_t scale_t) codes_t + sum_t p_t zero_t
 
-(dequantized vectors never exist in memory), keeps an online softmax, and
-writes unnormalized partial results ``(o, m, l)`` per split plus the scaled
-logits of every slot. :func:`merge_partials` combines the splits of all tiers
-and the token being decoded exactly (flash-decoding), and
-:func:`group_max_probabilities` turns the logits into the per-token
-probabilities (max over the group) that the tiering policy accumulates.
+so dequantized vectors never exist, in memory or in registers. Codes become
+float16 operands ``1024 + c`` by bit operations (:mod:`code_convert`); the 1024
+is folded into the offset terms.
 
-Packed layouts come from :mod:`diffkv_jax.quantization`: a 4-bit byte holds
-dims ``j`` and ``j + D/2``, a 2-bit byte dims ``j + i*D/4``. Since the Triton
-lowering has no in-kernel concatenate, the kernel splits ``q`` into the
-matching slices and keeps the output as one accumulator per packed value
-slice (``D``, two ``D/2`` or four ``D/4`` dims for 8/16, 4 and 2 bits).
+**Page layout of a quantized tier** (``slots`` tokens, head dim ``D``, ``kw``
+key bytes and ``vw`` value bytes per token, packed as in
+:mod:`diffkv_jax.quantization`): ``[slots, kw]`` keys, token-major, then
+``[vw, slots]`` values, byte-dim-major (row ``r`` holds packed byte ``r`` of
+every token). Keys are then the column-major B operand of ``q . k^T`` and
+values the column-major B operand of ``p . v``, so both load straight into
+the dot layout, and any slice of the value dims is a range of rows. Both
+regions are the same bytes for every tier that spends ``kw + vw`` bytes per
+token, so DiffKV's K8V4 and K4V2 pages share one size. 16-bit tiers (the
+uncompressed cache) keep separate ``[P, slots, D]`` key and value pools.
 
-The pool of one tier is seen as ``[pages, slots, token_width]``: each token's
-key bytes start at ``k_offset`` and its value bytes at ``v_offset`` (for the
-unified pages both live in the same array; the 16-bit cache passes separate
-key and value pools).
+Outputs are unnormalized partials ``(o, m, l)`` per split and, for the
+policy, the logits of the real group rows (log2 units: ``log2(e) q.k /
+sqrt(D)``). :func:`merge_partials` combines splits and the token being
+decoded exactly (flash-decoding); :func:`group_max_probabilities` turns
+logits into the per-token probabilities (max over the group) that the
+tiering policy accumulates.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,300 +47,337 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
+from pallas_kernels.code_convert import MAGIC, exact_slices, magic_slices
 
 NEG_INF = -1e30
-MAGIC_BITS = 0x6400  # float16 1024.0: its 10 mantissa bits hold an integer code exactly
-MAGIC = 1024.0
+RESCALE_SLACK = 8.0  # log2 units: probabilities are kept below 2^8 between rescalings
+RW = 16  # columns of the offset-sum tile (the narrowest dot)
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 @dataclasses.dataclass(frozen=True)
 class TierFormat:
     """How one tier's tokens are stored.
 
-    ``k_bits``/``v_bits``: 8, 4 or 2 for quantized codes with per-token fp16
-    scale/zero; 16 for raw 16/32-bit floats (no metadata).
+    ``k_bits``/``v_bits``: 8, 4 or 2 for quantized codes with per-token float16
+    scale/zero; 16 for raw 16/32-bit floats (no metadata, separate K and V pools).
     """
 
     k_bits: int
     v_bits: int
     head_dim: int
     slots: int  # tokens per page
-    k_offset: int = 0  # element offset of the key inside a token row
-    v_offset: int = 0
 
     @property
     def quantized(self) -> bool:
         return self.k_bits < 16
 
+    @property
+    def key_width(self) -> int:
+        return self.head_dim * min(self.k_bits, 8) // 8
+
+    @property
+    def value_width(self) -> int:
+        return self.head_dim * min(self.v_bits, 8) // 8
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of one quantized page (keys then values)."""
+        return self.slots * (self.key_width + self.value_width)
+
+    def check_views(self) -> None:
+        if self.data_bytes % self.key_width:
+            raise ValueError(f"a page of {self.data_bytes} bytes is not a whole number of "
+                             f"{self.key_width}-byte key rows")
+
+
+def page_views(data: jax.Array, fmt: TierFormat) -> tuple[jax.Array, jax.Array]:
+    """Views of a quantized page pool ``[P, >= data_bytes]`` (uint8) the kernel reads.
+
+    Returns ``(keys [P, rows, kw], values [P, rows', slots])``: a page's keys are
+    ``keys[p, :slots]`` and its value rows ``values[p, kw : kw + vw]``. Both are
+    reshapes of the same buffer (no copy) when the pool is exactly
+    ``data_bytes`` wide.
+    """
+    fmt.check_views()
+    P, width = data.shape
+    if width != fmt.data_bytes:
+        raise ValueError(f"pool pages are {width} bytes; {fmt} needs {fmt.data_bytes}")
+    return (data.reshape(P, width // fmt.key_width, fmt.key_width),
+            data.reshape(P, width // fmt.slots, fmt.slots))
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["keys", "values", "meta", "pages", "n_tok"], meta_fields=["fmt"])
+@dataclasses.dataclass(frozen=True)
+class TierInput:
+    """One tier's operands: ``keys``/``values`` are :func:`page_views` of a quantized
+    pool (or ``[P, slots, D]`` 16-bit pools), ``meta`` the ``(k_meta, v_meta)``
+    ``[P, >= slots]`` uint32 arrays of packed float16 ``scale | zero << 16``
+    (:func:`pack_meta`; None for 16-bit),
+    ``pages [S, H, NP]`` page IDs in token order (entries past a row's pages are
+    never read), ``n_tok [S, H]`` tokens stored in the row's pages of this tier."""
+
+    fmt: TierFormat
+    keys: jax.Array
+    values: jax.Array
+    meta: tuple | None
+    pages: jax.Array
+    n_tok: jax.Array
+
 
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
-    """Tuning knobs (static)."""
+    """Launch settings (static)."""
 
-    pages_per_block: int = 2
     num_splits: int = 1
-    num_warps: int = 4
-    num_stages: int = 2
-    dot_dtype: str = "bfloat16"
-    emit_logits: bool = True  # off when the caller needs no per-token probabilities
-    logits_dtype: str = "float32"
-    prefetch: bool = False  # load block i + 1 while computing block i
-    # True: scale/shift the codes per token in registers before the dots; False:
-    # apply scale/zero to the logits and probabilities (the identities above).
-    dequant_in_registers: bool = False
-    # How integer codes become dot operands (quantized tiers, identities path):
-    # "magic" ORs the code into the mantissa of float16 1024.0 (bits 0x6400 | c is
-    # exactly 1024 + c) and folds the 1024 into the zero terms: integer ALU work
-    # only. "cvt" uses int-to-float conversions, which run at 1/8 of the integer
-    # rate on Hopper and bound the kernel at well under copy bandwidth.
-    code_convert: str = "magic"
-    # Diagnostics only (results are wrong): leave stages out to time what they cost.
-    # Any of "v" (value loads and dots), "softmax", "meta" (metadata loads), "k_dot".
-    skip: tuple[str, ...] = ()
+    num_warps: int = 1
+    num_stages: int = 3
+    # Quantized tiers: "float16" dots with codes as 1024 + c (the GPU path);
+    # "float32" converts codes exactly (interpret-mode checks at float32 accuracy).
+    dot_dtype: str = "float16"
+    emit_logits: bool = True
+    # Rescale the accumulators only when a row's running max grew by more than
+    # RESCALE_SLACK (a branch); False rescales on every page (no branch).
+    lazy_rescale: bool = True
 
     def __post_init__(self):
-        if self.code_convert not in ("magic", "cvt"):
-            raise ValueError(f"code_convert must be 'magic' or 'cvt', got {self.code_convert!r}")
+        if self.dot_dtype not in ("float16", "float32"):
+            raise ValueError(f"dot_dtype must be 'float16' or 'float32', got {self.dot_dtype!r}")
 
 
-def _cast(x, dtype):
-    return x.astype(jnp.dtype(dtype))
+def pack_meta(scale: jax.Array, zero: jax.Array) -> jax.Array:
+    """Float16 scale and zero as one uint32 per token (scale in the low half).
+
+    One 4-byte word per token lets the kernel fetch metadata with the same
+    asynchronous copies as the codes (2-byte loads cannot use them).
+    """
+    pair = jnp.stack([scale.astype(jnp.float16), zero.astype(jnp.float16)], axis=-1)
+    return lax.bitcast_convert_type(pair, jnp.uint32)
 
 
-def _kernel(q_ref, k_ref, v_ref, ks_ref, kz_ref, vs_ref, vz_ref, pages_ref, ntok_ref,
-            o_ref, m_ref, l_ref, s_ref, *, fmt: TierFormat, cfg: LaunchConfig,
-            pages_per_split: int):
-    D, cap, npb = fmt.head_dim, fmt.slots, cfg.pages_per_block
-    n = npb * cap
-    # The output is kept as `parts` accumulators of D/parts dims, one per packed
-    # slice of the value codes (no in-kernel concatenate on this backend).
-    parts = 1 if fmt.v_bits == 16 else 8 // fmt.v_bits
+def unpack_meta(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of :func:`pack_meta` (outside kernels): float16 ``(scale, zero)``."""
+    pair = lax.bitcast_convert_type(words, jnp.float16)
+    return pair[..., 0], pair[..., 1]
+
+
+def _unpack_meta(word: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inverse of :func:`pack_meta` inside a kernel: float32 (scale, zero)."""
+    half = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)  # noqa: E731
+    return (half(word & jnp.uint32(0xFFFF)).astype(jnp.float32),
+            half(word >> jnp.uint32(16)).astype(jnp.float32))
+
+
+def _output_parts(tiers: Sequence[TierInput]) -> int:
+    """Accumulators the output is kept in: one per slice of the most packed value codes."""
+    return max(8 // t.fmt.v_bits if t.fmt.quantized else 1 for t in tiers)
+
+
+def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: bool):
+    n_t = len(tiers)
+    q_ref, tier_refs = refs[0], refs[1:1 + 6 * n_t]
+    o_ref, m_ref, l_ref = refs[1 + 6 * n_t:4 + 6 * n_t]
+    s_refs = refs[4 + 6 * n_t:]
+    Gp, D = q_ref.shape
+    parts = max(8 // f.v_bits if f.quantized else 1 for f in tiers)
     w = D // parts
-    G = q_ref.shape[0]
-    # float32 dots keep exact conversions: with the 2^23 float32 magic the offset
-    # terms would cancel catastrophically.
-    magic = (fmt.quantized and cfg.code_convert == "magic" and not cfg.dequant_in_registers
-             and cfg.dot_dtype != "float32")
-    # The magic operands are float16 (exact for codes < 1024); q goes to float16 too.
-    dt = "float16" if magic else cfg.dot_dtype
     split = pl.program_id(2)
-    n_tok = ntok_ref[0]
-    row_pages = (n_tok + cap - 1) // cap
-    first_page = split * pages_per_split
-    last_page = jnp.minimum(first_page + pages_per_split, row_pages)
-    n_blocks = jnp.maximum(last_page - first_page + npb - 1, 0) // npb
+    magic = cfg.dot_dtype == "float16"
+    qdt = jnp.float16 if magic else jnp.float32
+    row_iota = lax.broadcasted_iota(jnp.int32, (Gp,), 0)
 
-    q = q_ref[...].astype(jnp.float32) * (1.0 / math.sqrt(D))
-    q_dt = _cast(q, dt)
-    # Sum of the rounded q, so the offset terms cancel exactly against the dots.
-    q_sum = jnp.sum(q_dt.astype(jnp.float32), axis=1)
+    # Logits in log2 units so the softmax is a bare exp2.
+    qscale = LOG2E / math.sqrt(D)
 
-    def q_slice(i, width):
-        return _cast(q_ref[:, pl.ds(i * width, width)].astype(jnp.float32)
-                     * (1.0 / math.sqrt(D)), dt)
+    def q_part(start, width, dtype):
+        return (q_ref[:, pl.ds(start, width)].astype(jnp.float32) * qscale).astype(dtype)
 
-    def rows(ref, ids, start, width):
-        return ref[ids, :, pl.ds(start, width)].reshape(n, width)
+    def store_logits(s_ref, col, s):
+        if s_ref.shape[0] == Gp:
+            s_ref[:, pl.ds(col, s.shape[1])] = s
+        else:  # only the real group rows (GPU: padded rows never reach memory)
+            from jax.experimental.pallas import triton as plgpu
 
-    def meta(ref, ids):
-        return ref[ids, pl.ds(0, cap)].reshape(n).astype(jnp.float32)
+            rows = jnp.minimum(row_iota, s_ref.shape[0] - 1)
+            mask = lax.broadcasted_iota(jnp.int32, s.shape, 0) < s_ref.shape[0]
+            plgpu.store(s_ref.at[rows, pl.ds(col, s.shape[1])], s, mask=mask)
 
-    def load_block(blk):
-        """Raw bytes (or 16-bit values) and metadata of one block of pages.
+    def rescale(s, carry):
+        """Raise the running max to this page's only when it grew by more than
+        RESCALE_SLACK (log2 units) in some row: most pages then skip rescaling the
+        accumulators, and the probabilities stay below 2^RESCALE_SLACK."""
+        accs, m_prev, l_prev, r_prev, z_prev = carry
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
 
-        Loads are issued one block ahead of the math (software prefetch): the
-        unpacking between load and dot keeps the compiler from pipelining them.
-        """
-        ids = pages_ref[pl.ds(first_page + blk * npb, npb)]
-        kb, ko, vb, vo = fmt.k_bits, fmt.k_offset, fmt.v_bits, fmt.v_offset
-        kwidth = D if kb in (16, 8) else D * kb // 8
-        k = rows(k_ref, ids, ko, kwidth)
-        v = None if "v" in cfg.skip else rows(v_ref, ids, vo, D if vb in (16, 8) else D * vb // 8)
-        if "meta" in cfg.skip:
-            metas = tuple(jnp.full((n,), 0.5, jnp.float32) for _ in range(4)) \
-                if fmt.quantized else ()
-        else:
-            metas = tuple(meta(r, ids) for r in (ks_ref, kz_ref, vs_ref, vz_ref)) \
-                if fmt.quantized else ()
-        return k, v, metas
+        def grow(_):
+            corr = jnp.exp2(m_prev - m_next)
+            return ([a * corr[:, None] for a in accs], m_next, l_prev * corr,
+                    r_prev * corr[:, None], z_prev * corr)
 
-    def operand(c):
-        """Codes or 16-bit values as dot operands (codes become ``1024 + c`` under the
-        magic conversion, which only quantized tiers use)."""
-        if magic:
-            return lax.bitcast_convert_type(c.astype(jnp.uint16) | jnp.uint16(MAGIC_BITS),
-                                            jnp.float16)
-        return _cast(c, dt)
+        if not cfg.lazy_rescale:
+            return grow(None)
+        return lax.cond(jnp.max(m_next - m_prev) > RESCALE_SLACK, grow, lambda _: carry, None)
 
-    def deq(codes, scale, zero):
-        return _cast(codes.astype(jnp.float32) * scale[:, None] + zero[:, None], dt)
+    def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry):
+        k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
+        cap = fmt.slots
+        n_tok = ntok_ref[0]
+        # Splits share the row's own pages (not the static width) evenly.
+        row_pages = (n_tok + cap - 1) // cap
+        per_split = (row_pages + cfg.num_splits - 1) // cfg.num_splits
+        first = split * per_split
+        last = jnp.minimum(first + per_split, row_pages)
+        col_iota = lax.broadcasted_iota(jnp.int32, (cap,), 0)
 
-    def logits_of(k, metas):
-        kb = fmt.k_bits
-        if "k_dot" in cfg.skip:
-            return jnp.broadcast_to(jnp.sum(k.astype(jnp.float32), axis=1)[None, :], (G, n))
-        if fmt.quantized and cfg.dequant_in_registers:
-            ks, kz = metas[0], metas[1]
-            if kb == 8:
-                return backend.dot(q_dt, deq(k, ks, kz), trans_b=True)
-            if kb == 4:
-                return (backend.dot(q_slice(0, D // 2), deq(k & 0xF, ks, kz), trans_b=True)
-                        + backend.dot(q_slice(1, D // 2), deq(k >> 4, ks, kz), trans_b=True))
-            acc = backend.dot(q_slice(0, w), deq(k & 0x3, ks, kz), trans_b=True)
-            for i in range(1, 4):
-                acc += backend.dot(q_slice(i, w), deq((k >> (2 * i)) & 0x3, ks, kz),
-                                   trans_b=True)
-            return acc
-        if kb in (16, 8):
-            acc = backend.dot(q_dt, operand(k), trans_b=True)
-        elif kb == 4:
-            acc = backend.dot(q_slice(0, D // 2), operand(k & 0xF), trans_b=True)
-            acc += backend.dot(q_slice(1, D // 2), operand(k >> 4), trans_b=True)
-        else:  # 2 bits
-            acc = backend.dot(q_slice(0, w), operand(k & 0x3), trans_b=True)
-            for i in range(1, 4):
-                acc += backend.dot(q_slice(i, w), operand((k >> (2 * i)) & 0x3), trans_b=True)
         if fmt.quantized:
-            ks, kz = metas[0], metas[1]
-            if magic:  # q . (c + 1024) = q . c + 1024 sum(q)
-                kz = kz - MAGIC * ks
-            acc = acc * ks[None, :] + q_sum[:, None] * kz[None, :]
-        return acc
-
-    def value_parts(v):
-        vb = fmt.v_bits
-        if vb in (16, 8):
-            return [v]
-        mask = (1 << vb) - 1
-        return [v & mask] + [(v >> (vb * i)) & mask for i in range(1, parts)]
-
-    def body(blk, carry):
-        *accs, m_prev, l_prev, pre = carry
-        if cfg.prefetch:
-            k, v, metas = pre
-            nxt = load_block(jnp.minimum(blk + 1, jnp.maximum(n_blocks - 1, 0)))
+            kw, vw = fmt.key_width, fmt.value_width
+            nk = 8 // fmt.k_bits
+            q_slices = [q_part(i * kw, kw, qdt) for i in range(nk)]
+            # Sum of the rounded query, so the 1024 offsets cancel exactly.
+            q_sum = sum(jnp.sum(x.astype(jnp.float32), axis=1) for x in q_slices)
         else:
-            (k, v, metas), nxt = load_block(blk), pre
-        page0 = first_page + blk * npb
-        s = logits_of(k, metas)
-        slot = page0 * cap + lax.broadcasted_iota(jnp.int32, (G, n), 1)
-        s = jnp.where(slot < n_tok, s, NEG_INF)
-        if cfg.emit_logits:
-            s_ref[:, pl.ds(blk * n, n)] = s.astype(s_ref.dtype)
-        if "softmax" in cfg.skip:
-            m_next, corr, p, l_next = m_prev, jnp.ones_like(m_prev), s, l_prev
-        else:
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
-            corr = jnp.exp(m_prev - m_next)
-            p = jnp.exp(s - m_next[:, None])
-            l_next = l_prev * corr + jnp.sum(p, axis=1)
-        if v is None:
-            return (*[o + jnp.sum(p, axis=1)[:, None] for o in accs], m_next, l_next, nxt)
-        vparts = value_parts(v)
-        if fmt.quantized and cfg.dequant_in_registers:
-            pv, zero_term = p, 0.0
-            vparts = [deq(vp, metas[2], metas[3]) for vp in vparts]
-        elif fmt.quantized:
-            pv = _cast(p * metas[2][None, :], dt)
-            zero_term = jnp.sum(p * metas[3][None, :], axis=1)[:, None]
-            if magic:  # (p s) . (c + 1024): remove 1024 sum(p s) with the rounded weights
-                zero_term = zero_term - MAGIC * jnp.sum(pv.astype(jnp.float32), axis=1)[:, None]
-        else:
-            pv, zero_term = p, 0.0
-        pv = _cast(pv, dt)
-        outs = [o * corr[:, None] + backend.dot(pv, operand(vp)) + zero_term
-                for o, vp in zip(accs, vparts)]
-        return (*outs, m_next, l_next, nxt)
+            pdt = k_ref.dtype
+            q_full = q_part(0, D, pdt)
 
-    zeros = jnp.zeros((G, w), jnp.float32)
-    pre = load_block(0) if cfg.prefetch else jnp.zeros((), jnp.int32)
-    init = (*([zeros] * parts), jnp.full((G,), NEG_INF, jnp.float32),
-            jnp.zeros((G,), jnp.float32), pre)
-    *accs, m, l, _ = lax.fori_loop(0, n_blocks, body, init)
+        def body(j, carry):
+            accs, m_prev, l_prev, r_prev, z_prev = carry
+            page = pages_ref[j]
+            valid = j * cap + col_iota < n_tok
+            if fmt.quantized:
+                kb = k_ref[page, pl.ds(0, cap), :]  # [cap, kw] codes
+                k_parts = (magic_slices(kb, fmt.k_bits, interpret=interpret) if magic
+                           else exact_slices(kb, fmt.k_bits, jnp.float32))
+                acc = None
+                for qs, kp in zip(q_slices, k_parts):
+                    d = backend.dot(qs, kp, trans_b=True)
+                    acc = d if acc is None else acc + d
+                ks, kz = _unpack_meta(km_ref[page, pl.ds(0, cap)])
+                if magic:  # q . (c + 1024) = q . c + 1024 sum(q)
+                    kz = kz - MAGIC * ks
+                s = acc * ks[None, :] + q_sum[:, None] * kz[None, :]
+            else:
+                s = backend.dot(q_full, k_ref[page].astype(pdt), trans_b=True)
+            s = jnp.where(valid[None, :], s, NEG_INF)
+            if s_ref is not None:
+                store_logits(s_ref, j * cap, s)
+            accs, m, l, r, z = rescale(s, carry)
+            p = jnp.exp2(s - m[:, None])
+            l = l + jnp.sum(p, axis=1)
+            if not fmt.quantized:
+                accs = [accs[0] + backend.dot(p.astype(pdt), v_ref[page].astype(pdt))]
+                return accs, m, l, r, z
+            vs, vz = _unpack_meta(vm_ref[page, pl.ds(0, cap)])
+            pv = (p * vs[None, :]).astype(qdt)
+            if magic:  # (p s) . (c + 1024): remove 1024 sum(p s) with the rounded weights,
+                # summed by the tensor cores (a dot with ones) rather than lane by lane
+                r = r + backend.dot(pv, jnp.ones((RW, cap), qdt), trans_b=True)
+            z = z + jnp.sum(p * vz[None, :], axis=1)
+            # Value part i holds dims [i w, (i + 1) w): slice i*w // vw, rows (i*w) % vw.
+            out = list(accs)
+            for rb in range(vw // w):
+                vb = v_ref[page, pl.ds(kw + rb * w, w), :]  # [w, cap] codes
+                v_parts = (magic_slices(vb, fmt.v_bits, interpret=interpret) if magic
+                           else exact_slices(vb, fmt.v_bits, jnp.float32))
+                for sl, vp in enumerate(v_parts):
+                    i = (sl * vw + rb * w) // w
+                    out[i] = out[i] + backend.dot(pv, vp, trans_b=True)
+            return out, m, l, r, z
+
+        return lax.fori_loop(first, jnp.maximum(last, first), body, carry)
+
+    carry = ([jnp.zeros((Gp, w), jnp.float32)] * parts, jnp.full((Gp,), NEG_INF, jnp.float32),
+             jnp.zeros((Gp,), jnp.float32), jnp.zeros((Gp, RW), jnp.float32),
+             jnp.zeros((Gp,), jnp.float32))
+    for t, fmt in enumerate(tiers):
+        carry = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
+                          s_refs[t] if s_refs else None, carry)
+    accs, m, l, r, z = carry
+    # Every tier's values carry the same offset terms: o = acc - 1024 R + Z (every
+    # column of the R tile holds the same row sums).
+    corr_o = z - MAGIC * jnp.max(r, axis=1) if magic else z
     for i, o in enumerate(accs):
-        o_ref[:, pl.ds(i * w, w)] = o
-    m_ref[...] = m
+        o_ref[:, pl.ds(i * w, w)] = o + corr_o[:, None]
+    m_ref[...] = m * LN2  # natural units outside the kernel
     l_ref[...] = l
 
 
-def paged_decode_partials(q, k_pool, v_pool, k_scale, k_zero, v_scale, v_zero, pages, n_tok, *,
-                          fmt: TierFormat, cfg: LaunchConfig = LaunchConfig(),
-                          interpret: bool | None = None):
-    """Partial attention of one tier.
+def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = None,
+                          cfg: LaunchConfig = LaunchConfig(), interpret: bool | None = None):
+    """Partial attention of ``q`` over every tier of each row, one launch.
 
     Args:
-      q: ``[S, H, G, D]`` queries grouped by KV head (``G`` padded to a multiple of 16
-        on the GPU by the caller, see :func:`pad_group`).
-      k_pool, v_pool: ``[P, slots, width]`` token rows (may be the same array).
-      k_scale, k_zero, v_scale, v_zero: ``[P, >= slots]`` float16 metadata, or None
-        for 16-bit tiers.
-      pages: ``[S, H, NP]`` int32 page IDs of each row in token order (``NP`` a
-        multiple of ``num_splits * pages_per_block``; entries past the row's pages
-        must still be valid page IDs, e.g. a trash page).
-      n_tok: ``[S, H]`` int32 tokens stored in each row's pages of this tier.
+      q: ``[S, H, Gp, D]`` queries grouped by KV head (``Gp`` padded to a multiple of
+        16 on the GPU, see :func:`pad_group`).
+      tiers: the tiers of each row, in the order their pages are walked. A row's
+        pages of each tier are shared evenly among the ``cfg.num_splits`` splits.
+      group: real query rows per KV head (<= ``Gp``; default ``Gp``); logits hold
+        these rows only.
     Returns:
-      ``o [S, H, K, G, D]``, ``m, l [S, H, K, G]`` (float32, K = num_splits) and
-      ``logits [S, H, G, NP * slots]`` (scaled by 1/sqrt(D); slots >=
-      n_tok hold garbage and must be masked by the caller; None when
+      ``o [S, H, K, Gp, D]``, ``m, l [S, H, K, Gp]`` (float32, K = num_splits; m in
+      natural units) and per tier ``logits [S, H, group, NP * slots]`` in log2 units
+      (slots >= n_tok hold garbage and must be masked by the caller; None when
       ``cfg.emit_logits`` is False).
     """
     if interpret is None:
         interpret = backend.default_interpret()
-    S, H, G, D = q.shape
-    NP = pages.shape[-1]
-    K, npb = cfg.num_splits, cfg.pages_per_block
-    if NP % (K * npb):
-        raise ValueError(f"pages per row ({NP}) must be a multiple of splits x pages_per_block "
-                         f"({K} x {npb})")
+    S, H, Gp, D = q.shape
+    G = Gp if group is None else group
+    K = cfg.num_splits
     if D % 16:
         raise ValueError("head_dim must be a multiple of 16")
-    pps = NP // K
-    cap = fmt.slots
-    rows_out = G
-    for pool in (k_pool, v_pool):
-        # The Triton lowering indexes a ref with 32-bit signed element offsets unless
-        # it holds more than 2^32 bytes; in between, offsets would overflow.
-        if pool.size >= 2**31 and pool.size * pool.dtype.itemsize <= 2**32:
-            raise ValueError(f"a pool of {pool.size} elements of {pool.dtype.itemsize} bytes "
-                             "cannot be addressed by one kernel launch (32-bit offsets); "
-                             "use a pool under 2^31 elements or over 4 GiB")
-    s_cols = pps * cap if cfg.emit_logits else 1
-    quant = fmt.quantized
-    dummy = jnp.zeros((1, 1), jnp.float16)
-    metas = [k_scale, k_zero, v_scale, v_zero] if quant else [dummy] * 4
+    if any(t.fmt.quantized for t in tiers) and not all(t.fmt.quantized for t in tiers):
+        raise ValueError("a launch mixes 16-bit and quantized tiers")
+    for t in tiers:
+        if not interpret and t.fmt.slots < 16:
+            raise ValueError(f"pages of {t.fmt.slots} tokens: the GPU kernel needs >= 16 "
+                             "tokens per page (its smallest dot tile)")
+        for pool in (t.keys, t.values):
+            # The Triton lowering indexes a ref with 32-bit signed element offsets unless
+            # it holds more than 2^32 bytes; in between, offsets would overflow.
+            if pool.size >= 2**31 and pool.size * pool.dtype.itemsize <= 2**32:
+                raise ValueError(f"a pool of {pool.size} elements of {pool.dtype.itemsize} "
+                                 "bytes cannot be addressed by one kernel launch (32-bit "
+                                 "offsets); use a pool under 2^31 elements or over 4 GiB")
     whole = lambda a: pl.BlockSpec(a.shape, lambda s, h, k: (0,) * a.ndim)  # noqa: E731
-    kernel = functools.partial(_kernel, fmt=fmt, cfg=cfg, pages_per_split=pps)
-    o, m, l, s = pl.pallas_call(
-        kernel,
-        grid=(S, H, K),
-        in_specs=[
-            pl.BlockSpec((None, None, G, D), lambda s, h, k: (s, h, 0, 0)),
-            whole(k_pool), whole(v_pool),
-            *[whole(a) for a in metas],
-            pl.BlockSpec((None, None, NP), lambda s, h, k: (s, h, 0)),
-            pl.BlockSpec((None, None, 1), lambda s, h, k: (s, h, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, G, D), lambda s, h, k: (s, h, k, 0, 0)),
-            pl.BlockSpec((None, None, None, G), lambda s, h, k: (s, h, k, 0)),
-            pl.BlockSpec((None, None, None, G), lambda s, h, k: (s, h, k, 0)),
-            pl.BlockSpec((None, None, None, rows_out, s_cols), lambda s, h, k: (s, h, k, 0, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((S, H, K, G, D), jnp.float32),
-            jax.ShapeDtypeStruct((S, H, K, G), jnp.float32),
-            jax.ShapeDtypeStruct((S, H, K, G), jnp.float32),
-            jax.ShapeDtypeStruct((S, H, K, rows_out, s_cols), jnp.dtype(cfg.logits_dtype)),
-        ],
+    row = lambda a: pl.BlockSpec((None, None, a.shape[-1]), lambda s, h, k: (s, h, 0))  # noqa
+    dummy = jnp.zeros((1, 1), jnp.uint32)
+    args, in_specs = [q], [pl.BlockSpec((None, None, Gp, D), lambda s, h, k: (s, h, 0, 0))]
+    for t in tiers:
+        meta = list(t.meta) if t.fmt.quantized else [dummy] * 2
+        ntok = t.n_tok.astype(jnp.int32)[..., None]
+        args += [t.keys, t.values, *meta, t.pages.astype(jnp.int32), ntok]
+        in_specs += [whole(t.keys), whole(t.values), *[whole(a) for a in meta], row(t.pages),
+                     row(ntok)]
+    # Interpret mode stores every row and slices outside (its masked stores need
+    # slices only); on the GPU padded rows are masked off in the kernel.
+    store_rows = Gp if interpret else G
+    out_shape = [jax.ShapeDtypeStruct((S, H, K, Gp, D), jnp.float32),
+                 jax.ShapeDtypeStruct((S, H, K, Gp), jnp.float32),
+                 jax.ShapeDtypeStruct((S, H, K, Gp), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, None, None, Gp, D), lambda s, h, k: (s, h, k, 0, 0)),
+                 pl.BlockSpec((None, None, None, Gp), lambda s, h, k: (s, h, k, 0)),
+                 pl.BlockSpec((None, None, None, Gp), lambda s, h, k: (s, h, k, 0))]
+    if cfg.emit_logits:
+        for t in tiers:
+            cols = t.pages.shape[-1] * t.fmt.slots
+            out_shape.append(jax.ShapeDtypeStruct((S, H, store_rows, cols), jnp.float32))
+            out_specs.append(pl.BlockSpec((None, None, store_rows, cols),
+                                          lambda s, h, k: (s, h, 0, 0)))
+    kernel = functools.partial(_kernel, tiers=tuple(t.fmt for t in tiers), cfg=cfg,
+                               interpret=interpret)
+    name = "paged_decode_" + "_".join(f"k{t.fmt.k_bits}v{t.fmt.v_bits}" for t in tiers)
+    outs = pl.pallas_call(
+        kernel, grid=(S, H, K), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=interpret,
         compiler_params=None if interpret else backend.compiler_params(cfg.num_warps,
                                                                        cfg.num_stages),
-        name=f"paged_decode_k{fmt.k_bits}v{fmt.v_bits}",
-    )(q, k_pool, v_pool, *metas, pages, n_tok[..., None])
-    if not cfg.emit_logits:
-        return o, m, l, None
-    logits = s.transpose(0, 1, 3, 2, 4).reshape(S, H, rows_out, NP * cap)
-    return o, m, l, logits.astype(jnp.float32)
+        name=name,
+    )(*args)
+    o, m, l = outs[:3]
+    logits = [x[:, :, :G] for x in outs[3:]] if cfg.emit_logits else [None] * len(tiers)
+    return o, m, l, logits
 
 
 def pad_group(q, multiple: int):
@@ -371,9 +417,14 @@ def merge_partials(parts, extra=None):
     return out, M, L
 
 
-def group_max_probabilities(logits, M, L, group: int):
-    """``max_g exp(logit - M_g) / L_g`` over the first ``group`` rows: ``[S, H, n]``."""
-    p = jnp.exp(logits[:, :, :group] - M[:, :, :group, None]) / L[:, :, :group, None]
+def group_max_probabilities(logits2, M, L, group: int):
+    """``max_g exp(logit - M_g) / L_g`` over the first ``group`` rows: ``[S, H, n]``.
+
+    ``logits2`` are the kernel's logits in log2 units; ``M`` (natural units) and ``L``
+    come from :func:`merge_partials`.
+    """
+    M2 = M[:, :, :group, None] * LOG2E
+    p = jnp.exp2(logits2[:, :, :group] - M2) / L[:, :, :group, None]
     return jnp.max(p, axis=2)
 
 
@@ -384,8 +435,8 @@ def tier_attention_reference(q, k_hat, v_hat, n_tok):
       q: ``[S, H, G, D]``; k_hat, v_hat: ``[S, H, n, D]`` dequantized tokens in slot order;
       n_tok: ``[S, H]``.
     Returns:
-      ``(o [S,H,1,G,D], m, l [S,H,1,G], logits [S,H,G,n])`` with the same meaning
-      as :func:`paged_decode_partials`.
+      ``(o [S,H,1,G,D], m, l [S,H,1,G], logits [S,H,G,n])`` with the meaning of
+      :func:`paged_decode_partials` (logits in log2 units).
     """
     D = q.shape[-1]
     s = jnp.einsum("shgd,shnd->shgn", q.astype(jnp.float32), k_hat.astype(jnp.float32))
@@ -396,4 +447,4 @@ def tier_attention_reference(q, k_hat, v_hat, n_tok):
     p = jnp.where(valid, jnp.exp(s - m[..., None]), 0.0)
     l = jnp.sum(p, axis=-1)
     o = jnp.einsum("shgn,shnd->shgd", p, v_hat.astype(jnp.float32))
-    return o[:, :, None], m[:, :, None], l[:, :, None], s
+    return o[:, :, None], m[:, :, None], l[:, :, None], jnp.where(valid, s * LOG2E, NEG_INF)

@@ -130,12 +130,29 @@ def breakdown(name, cfg, params, args):
                frac_pruned=stats.get("frac_pruned"),
                kv_ratio=(stats["page_bytes"] + stats["table_bytes"])
                / stats["bytes_16bit_same_tokens"])
-    for v in VARIANTS:
+    # DiffKV without its kernel is no ablation: zero probabilities change every
+    # decision of the policy. Its split comes from the kernel trace (--profile).
+    variants = VARIANTS if name == "full" else ("step", "model-only")
+    for v in variants:
         vsteps = CompiledSteps(cfg, Ablated(method, v), jnp.bfloat16)
         fn = vsteps.decode_and_sample.lower(params, state, dbatch, smp).compile()
         t, state = time_steps(fn, params, state, dbatch, smp, args.iters)
         row[v] = t * 1e3
         print(f"  {name} {v}: {t * 1e3:.2f} ms", flush=True)
+        if v == "step" and args.profile:
+            from scripts.device_profile import kernel_times, print_kernel_times
+
+            box = [state]
+
+            def run():
+                box[0], tok, _ = fn(params, box[0], dbatch, smp)
+                jax.block_until_ready(tok)
+
+            kt, busy, wall = kernel_times(run, args.profile)
+            state = box[0]
+            print_kernel_times(f"  {name} step kernels", kt, busy, wall, top=args.top)
+            print(f"  (trace lines: {kernel_times.last_lines})")
+            row["profile"] = dict(kernels=kt[:40], busy_ms=busy, wall_ms=wall)
     end = jax.jit(method.end_decode, donate_argnums=(0,))
     jax.block_until_ready(state := end(state, dbatch))
     times = []
@@ -144,8 +161,11 @@ def breakdown(name, cfg, params, args):
         jax.block_until_ready(state := end(state, dbatch))
         times.append(time.perf_counter() - t0)
     row["compaction_ms"] = sorted(times)[len(times) // 2] * 1e3
-    row["attention_ms"] = row["step"] - row["no-attention"]
-    row["write_ms"] = row["no-attention"] - row["model-only"]
+    if "no-attention" in row:
+        row["attention_ms"] = row["step"] - row["no-attention"]
+        row["write_ms"] = row["no-attention"] - row["model-only"]
+    else:  # attention, policy and writes together
+        row["attention_ms"], row["write_ms"] = row["step"] - row["model-only"], 0.0
     row["model_ms"] = row["model-only"] - row["compaction_ms"]
     return row
 
@@ -208,6 +228,9 @@ def main() -> int:
                    "cost (0 skips it)")
     p.add_argument("--obs-window", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", type=int, default=0, help="trace this many real steps and "
+                   "list the kernels they spend their time in")
+    p.add_argument("--top", type=int, default=15)
     p.add_argument("--json", default=None)
     args = p.parse_args()
 

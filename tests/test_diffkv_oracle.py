@@ -173,7 +173,7 @@ class Harness:
             npg = before.n_pages[s, 0]  # [H, 2]
             owned = (j < npg[:, :1]) | (j >= R - npg[:, 1:])
             pages = before.page_table[s, 0][owned]
-            for name in ("data", "scores", "positions", "k_scale", "k_zero", "v_scale", "v_zero"):
+            for name in ("data", "scores", "positions", "k_meta", "v_meta"):
                 np.testing.assert_array_equal(
                     getattr(after, name)[pages], getattr(before, name)[pages],
                     err_msg=f"step {step}: page data of inactive row {s} changed ({name})")

@@ -31,3 +31,20 @@ def test_diffkv_decode_has_no_pool_copy(tiny_model):
     # Demotion reads the victim and writes the low tier: the read must be one
     # gather every write depends on, or XLA copies the pool (a regression guard).
     assert pool_copies(*tiny_model, "diffkv") == []
+
+
+def test_diffkv_kernel_decode_has_no_side_array_copy(tiny_model):
+    # The kernel path updates scores inside a kernel (aliased) and writes the
+    # pool, metadata and positions by scatter: none of them may be copied.
+    cfg, params = tiny_model
+    m = make_method("diffkv", cfg, max_seqs=4, max_context=128, attention_impl="pallas")
+    state = m.init_state(300)
+    batch = DecodeBatch(jnp.zeros(4, jnp.int32), jnp.ones(4, bool), 4)
+    text = CompiledSteps(cfg, m, jnp.float32).decode.lower(params, state, batch).compile().as_text()
+    shapes = {f"{'u8' if a.dtype.name == 'uint8' else a.dtype.name[0] + a.dtype.name[-2:]}"
+              f"[{','.join(map(str, a.shape))}]"
+              for a in (state.data, state.k_meta, state.scores, state.positions)}
+    assert shapes == {"u8[301,768]", "u32[301,64]", "f32[301,64]", "i32[301,64]"}
+    shapes = {s.replace("i32", "s32") for s in shapes}
+    copies = [ln for ln in text.splitlines() if " copy(" in ln and any(s in ln for s in shapes)]
+    assert copies == []

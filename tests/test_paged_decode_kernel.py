@@ -1,117 +1,141 @@
-"""The Pallas paged decode kernel against its plain-jnp reference (interpret mode on CPU)."""
+"""The Pallas paged decode kernel against its plain-jnp reference.
 
-import jax
+Random codes, metadata, page tables and ragged lengths (empty rows included),
+every tier format, one or two tiers per launch, 1 - 4 splits: in interpret
+mode on the CPU and, marked ``gpu``, compiled on the GPU.
+"""
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from diffkv_jax import quantization as qz
+from pallas_kernels import code_convert
 from pallas_kernels import paged_decode as pdk
 
 
-def make_tier(rng, fmt: pdk.TierFormat, P: int):
-    """Random pools for one tier plus their dequantized values per page slot."""
+def make_tier(rng, fmt: pdk.TierFormat, P: int, S: int, H: int, NP: int):
+    """Random pages of one tier, its kernel operands and the dequantized tokens of
+    every row in slot order (``[S, H, NP * slots, D]``)."""
     D, cap = fmt.head_dim, fmt.slots
+    pages = jnp.asarray(rng.integers(0, P, size=(S, H, NP)), jnp.int32)
+    n_tok = jnp.asarray(rng.integers(0, NP * cap + 1, size=(S, H)), jnp.int32)
+    n_tok = n_tok.at[0, 0].set(0).at[-1, -1].set(NP * cap)  # an empty and a full row
     if not fmt.quantized:
         k = jnp.asarray(rng.normal(size=(P, cap, D)), jnp.float32)
         v = jnp.asarray(rng.normal(size=(P, cap, D)), jnp.float32)
-        return (k, v, None, None, None, None), k, v
-    kw, vw = qz.packed_width(D, fmt.k_bits), qz.packed_width(D, fmt.v_bits)
-    tokens = jnp.asarray(rng.integers(0, 256, size=(P, cap, kw + vw)), jnp.uint8)
+        tier = pdk.TierInput(fmt, k, v, None, pages, n_tok)
+        return tier, k[pages].reshape(S, H, NP * cap, D), v[pages].reshape(S, H, NP * cap, D)
+    kw, vw = fmt.key_width, fmt.value_width
+    data = jnp.asarray(rng.integers(0, 256, size=(P, fmt.data_bytes)), jnp.uint8)
     M = cap + 3  # metadata arrays may be wider than this tier's slots
     f16 = lambda a: jnp.asarray(a, jnp.float16)  # noqa: E731
     ks, kz = f16(rng.uniform(0.01, 0.1, (P, M))), f16(rng.normal(size=(P, M)))
     vs, vz = f16(rng.uniform(0.01, 0.1, (P, M))), f16(rng.normal(size=(P, M)))
-    k_hat = qz.dequantize_packed(tokens[..., :kw], ks[:, :cap], kz[:, :cap], fmt.k_bits, D)
-    v_hat = qz.dequantize_packed(tokens[..., kw:], vs[:, :cap], vz[:, :cap], fmt.v_bits, D)
-    return (tokens, tokens, ks, kz, vs, vz), k_hat, v_hat
+    keys = data[:, :cap * kw].reshape(P, cap, kw)
+    values = data[:, cap * kw:].reshape(P, vw, cap).transpose(0, 2, 1)  # byte-dim-major
+    k_hat = qz.dequantize_packed(keys, ks[:, :cap], kz[:, :cap], fmt.k_bits, D)
+    v_hat = qz.dequantize_packed(values, vs[:, :cap], vz[:, :cap], fmt.v_bits, D)
+    kv, vv = pdk.page_views(data, fmt)
+    tier = pdk.TierInput(fmt, kv, vv, (pdk.pack_meta(ks, kz), pdk.pack_meta(vs, vz)), pages,
+                         n_tok)
+    return (tier, k_hat[pages].reshape(S, H, NP * cap, D),
+            v_hat[pages].reshape(S, H, NP * cap, D))
 
 
-FORMATS = [(8, 4), (4, 2), (8, 8), (16, 16), (2, 2)]
+# (k_bits, v_bits, tokens per page); the GPU kernel needs pages of >= 16 tokens.
+TIER_SETS = {
+    "k8v4": [(8, 4, 16)],
+    "k8v4+k4v2": [(8, 4, 16), (4, 2, 32)],  # DiffKV's unified pages (same bytes per page)
+    "k8v8": [(8, 8, 16)],
+    "k2v2": [(2, 2, 16)],
+    "k4v4": [(4, 4, 32)],
+    "16bit": [(16, 16, 16)],
+}
 
 
-@pytest.mark.parametrize("bits", FORMATS)
-@pytest.mark.parametrize("D,G,splits", [(64, 3, 1), (128, 4, 2), (64, 8, 4)])
-def test_kernel_matches_reference(bits, D, G, splits):
-    # float32 throughout: only summation order differs (tolerance 1e-4 relative).
-    check_kernel(bits, D, G, splits, interpret=True, dot_dtype="float32", tol=1e-4,
-                 prefetch=splits == 2)
-
-
-@pytest.mark.parametrize("bits", [(8, 4), (4, 2), (8, 8), (2, 2)])
-@pytest.mark.parametrize("D,G,splits", [(64, 3, 1), (128, 4, 2)])
-def test_magic_code_conversion_matches_reference(bits, D, G, splits):
-    # 16-bit dots take the magic path (codes as float16 1024 + c, q and p * scale
-    # rounded to float16): relative errors around 1e-3 of the output scale.
-    check_kernel(bits, D, G, splits, interpret=True, dot_dtype="bfloat16", tol=3e-3,
-                 dequant=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("convert", ["magic", "cvt"])
-@pytest.mark.parametrize("bits", FORMATS)
-@pytest.mark.parametrize("D,G,splits", [(64, 3, 1), (128, 4, 2), (128, 8, 4), (64, 1, 2)])
-def test_compiled_kernel_matches_reference_on_gpu(bits, D, G, splits, convert):
-    # bf16 operands (q and the probabilities rounded to bf16, codes exact), float32
-    # accumulation: relative errors around 1e-2 of the output scale.
-    check_kernel(bits, D, G, splits, interpret=False, dot_dtype="bfloat16", tol=3e-2,
-                 prefetch=splits == 2, dequant=convert == "cvt" and G % 2 == 0,
-                 convert=convert)
-
-
-def check_kernel(bits, D, G, splits, interpret, dot_dtype, tol, prefetch=False, dequant=None,
-                 convert="magic"):
-    rng = np.random.default_rng(hash((bits, D, G, splits)) % 2**32)
-    kb, vb = bits
-    cap = 8
-    kw = D if kb == 16 else qz.packed_width(D, kb)
-    fmt = pdk.TierFormat(kb, vb, D, cap, k_offset=0, v_offset=0 if kb == 16 else kw)
-    S, H, P = 3, 2, 40
-    pools, k_hat, v_hat = make_tier(rng, fmt, P)
-    NP = 8
-    pages = jnp.asarray(rng.integers(0, P, size=(S, H, NP)), jnp.int32)  # random page tables
-    n_tok = jnp.asarray([[0, 5], [NP * cap, 17], [33, 9]], jnp.int32)  # ragged, incl. empty
+def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
+                 seed=0):
+    rng = np.random.default_rng(seed)
+    S, H, P, NP = 3, 2, 24, 3
+    tiers, refs = [], []
+    for kb, vb, cap in TIER_SETS[tier_set]:
+        tier, kh, vh = make_tier(rng, pdk.TierFormat(kb, vb, D, cap), P, S, H, NP)
+        tiers.append(tier)
+        refs.append((kh, vh, tier.n_tok))
     q = jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32)
-    cfg = pdk.LaunchConfig(pages_per_block=2, num_splits=splits, dot_dtype=dot_dtype,
-                           prefetch=prefetch, code_convert=convert,
-                           dequant_in_registers=G % 2 == 0 if dequant is None else dequant)
-    qk = q if interpret else pdk.pad_group(q, 16)
-    o, m, l, logits = pdk.paged_decode_partials(qk, *pools, pages, n_tok, fmt=fmt, cfg=cfg,
+    cfg = pdk.LaunchConfig(num_splits=splits, dot_dtype=dot_dtype, lazy_rescale=lazy)
+    qk = q if pad is None else pdk.pad_group(q, pad)
+    o, m, l, logits = pdk.paged_decode_partials(qk, tiers, group=G, cfg=cfg,
                                                 interpret=interpret)
-    o, m, l, logits = o[:, :, :, :G], m[..., :G], l[..., :G], logits[:, :, :G]
-    # Reference on the same page table, slot order = page order.
-    kh = k_hat[pages].reshape(S, H, NP * cap, D)
-    vh = v_hat[pages].reshape(S, H, NP * cap, D)
-    ro, rm, rl, rlogits = pdk.tier_attention_reference(q, kh, vh, n_tok)
+    o, m, l = o[:, :, :, :G], m[..., :G], l[..., :G]
+    ref = [pdk.tier_attention_reference(q, kh, vh, nt) for kh, vh, nt in refs]
     # An extra always-present source (like the token being decoded) keeps rows defined.
     extra = (jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32),
              jnp.asarray(rng.normal(size=(S, H, G)), jnp.float32), jnp.ones((S, H, G)))
     out, M, L = pdk.merge_partials([(o, m, l)], extra)
-    rout, rM, rL = pdk.merge_partials([(ro, rm, rl)], extra)
+    rout, rM, rL = pdk.merge_partials([r[:3] for r in ref], extra)
+    assert np.isfinite(np.asarray(out)).all()
     scale = float(np.abs(np.asarray(rout)).max())
     assert np.abs(np.asarray(out) - np.asarray(rout)).max() <= tol * scale
-    assert np.allclose(M, rM, rtol=tol, atol=tol) and np.allclose(L, rL, rtol=tol * 10)
-    valid = np.arange(NP * cap)[None, None, :] < np.asarray(n_tok)[..., None]
-    p = pdk.group_max_probabilities(logits, M, L, G)
-    rp = pdk.group_max_probabilities(rlogits, rM, rL, G)
-    assert np.abs(np.where(valid, p, 0) - np.where(valid, rp, 0)).max() <= tol * 10 * float(
-        np.asarray(rp).max())
+    for lg, r, (_, _, nt) in zip(logits, ref, refs):
+        assert lg.shape[2] == G
+        valid = np.arange(lg.shape[-1])[None, None, :] < np.asarray(nt)[..., None]
+        p = pdk.group_max_probabilities(lg, M, L, G)
+        rp = pdk.group_max_probabilities(r[3], rM, rL, G)
+        err = np.abs(np.where(valid, p, 0) - np.where(valid, rp, 0)).max()
+        assert err <= tol * 10 * float(np.asarray(rp).max())
+
+
+@pytest.mark.parametrize("tier_set", list(TIER_SETS))
+@pytest.mark.parametrize("D,G,splits", [(64, 3, 1), (128, 4, 2), (64, 8, 4)])
+def test_kernel_matches_reference(tier_set, D, G, splits):
+    # float32 throughout: only summation order differs (tolerance 1e-4 relative).
+    check_kernel(tier_set, D, G, splits, interpret=True, dot_dtype="float32", tol=1e-4,
+                 lazy=splits != 4)
+
+
+@pytest.mark.parametrize("tier_set", ["k8v4+k4v2", "k8v8", "k2v2", "k4v4"])
+@pytest.mark.parametrize("D,G,splits", [(64, 3, 1), (128, 4, 2)])
+def test_magic_code_conversion_matches_reference(tier_set, D, G, splits):
+    # float16 dots take the magic path (codes as float16 1024 + c, q and p * scale
+    # rounded to float16): relative errors around 1e-3 of the output scale.
+    check_kernel(tier_set, D, G, splits, interpret=True, dot_dtype="float16", tol=3e-3)
 
 
 def test_group_padding_does_not_change_results():
-    rng = np.random.default_rng(0)
-    fmt = pdk.TierFormat(8, 4, 64, 8, v_offset=64)
-    pools, _, _ = make_tier(rng, fmt, 20)
-    pages = jnp.asarray(rng.integers(0, 20, size=(2, 1, 4)), jnp.int32)
-    n_tok = jnp.asarray([[30], [7]], jnp.int32)
-    q = jnp.asarray(rng.normal(size=(2, 1, 3, 64)), jnp.float32)
-    cfg = pdk.LaunchConfig(pages_per_block=1, num_splits=2, dot_dtype="float32")
-    a = pdk.paged_decode_partials(q, *pools, pages, n_tok, fmt=fmt, cfg=cfg, interpret=True)
-    b = pdk.paged_decode_partials(pdk.pad_group(q, 16), *pools, pages, n_tok, fmt=fmt, cfg=cfg,
-                                  interpret=True)
-    assert np.allclose(a[0], b[0][:, :, :, :3], atol=1e-5)
-    valid = np.arange(32)[None, None, None, :] < np.asarray(n_tok)[:, :, None, None]
-    assert np.allclose(np.where(valid, a[3], 0), np.where(valid, b[3][:, :, :3], 0), atol=1e-5)
+    check_kernel("k8v4+k4v2", 64, 3, 2, interpret=True, dot_dtype="float32", tol=1e-4, pad=16)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_magic_slices_are_codes_plus_1024(bits):
+    rng = np.random.default_rng(bits)
+    packed = jnp.asarray(rng.integers(0, 256, size=(5, 12)), jnp.uint8)
+    codes = qz.unpack(packed, bits, 12 * 8 // bits).reshape(5, 8 // bits, 12)
+    got = code_convert.magic_slices(packed, bits, interpret=True)
+    for i, g in enumerate(got):
+        assert g.dtype == jnp.float16
+        assert np.array_equal(np.asarray(g, np.float32), np.asarray(codes[:, i], np.float32) + 1024)
+
+
+def test_packed_metadata_round_trips():
+    rng = np.random.default_rng(3)
+    s = jnp.asarray(rng.uniform(0.01, 1, (4, 7)), jnp.float16)
+    z = jnp.asarray(rng.normal(size=(4, 7)), jnp.float16)
+    w = pdk.pack_meta(s, z)
+    assert w.dtype == jnp.uint32 and w.shape == (4, 7)
+    back = np.asarray(w).view(np.float16).reshape(4, 7, 2)
+    assert np.array_equal(back[..., 0], np.asarray(s)) and np.array_equal(back[..., 1], np.asarray(z))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier_set", list(TIER_SETS))
+@pytest.mark.parametrize("D,G,splits", [(64, 3, 1), (128, 4, 2), (128, 8, 4), (64, 1, 2)])
+@pytest.mark.parametrize("lazy", [True, False])
+def test_compiled_kernel_matches_reference_on_gpu(tier_set, D, G, splits, lazy):
+    # float16 (quantized) or 16-bit pool dtype operands, float32 accumulation.
+    check_kernel(tier_set, D, G, splits, interpret=False, dot_dtype="float16", tol=3e-2,
+                 lazy=lazy, pad=16)
 
 
 @pytest.mark.gpu
@@ -119,24 +143,27 @@ def test_pool_over_4gib_is_addressed_with_64bit_offsets_on_gpu():
     # A 4.5 GiB byte pool; the rows' pages sit past the 2^31-element mark, where
     # 32-bit offsets would wrap around.
     D, cap = 128, 32
-    fmt = pdk.TierFormat(8, 4, D, cap, k_offset=0, v_offset=D)
-    width = D + D // 2
-    P = (9 * 2**29) // (cap * width) + 1
-    pool = jnp.zeros((P, cap, width), jnp.uint8)
+    fmt = pdk.TierFormat(8, 4, D, cap)
+    P = (9 * 2**29) // fmt.data_bytes + 1
     rng = np.random.default_rng(7)
-    tail = jnp.asarray(rng.integers(0, 256, size=(8, cap, width)), jnp.uint8)
-    pool = pool.at[P - 8:].set(tail)
-    meta = [jnp.asarray(rng.uniform(0.01, 0.1, (P, cap)), jnp.float16) for _ in range(4)]
+    tail = jnp.asarray(rng.integers(0, 256, size=(8, fmt.data_bytes)), jnp.uint8)
+    data = jnp.zeros((P, fmt.data_bytes), jnp.uint8).at[P - 8:].set(tail)
+    f16 = lambda a: jnp.asarray(a, jnp.float16)  # noqa: E731
+    ks, kz = f16(rng.uniform(0.01, 0.1, (P, cap))), f16(rng.normal(size=(P, cap)))
+    vs, vz = f16(rng.uniform(0.01, 0.1, (P, cap))), f16(rng.normal(size=(P, cap)))
     pages = jnp.asarray(P - 8 + rng.permutation(8), jnp.int32).reshape(1, 1, 8)
     n_tok = jnp.asarray([[8 * cap - 5]], jnp.int32)
+    kv, vv = pdk.page_views(data, fmt)
+    tier = pdk.TierInput(fmt, kv, vv, (pdk.pack_meta(ks, kz), pdk.pack_meta(vs, vz)), pages,
+                         n_tok)
     q = jnp.asarray(rng.normal(size=(1, 1, 4, D)), jnp.float32)
-    cfg = pdk.LaunchConfig(pages_per_block=2)
-    o, m, l, _ = pdk.paged_decode_partials(pdk.pad_group(q, 16), pool, pool, *meta, pages,
-                                           n_tok, fmt=fmt, cfg=cfg)
-    kh = qz.dequantize_packed(pool[pages[0, 0]][..., :D], meta[0][pages[0, 0]],
-                              meta[1][pages[0, 0]], 8, D).reshape(1, 1, 8 * cap, D)
-    vh = qz.dequantize_packed(pool[pages[0, 0]][..., D:], meta[2][pages[0, 0]],
-                              meta[3][pages[0, 0]], 4, D).reshape(1, 1, 8 * cap, D)
+    o, m, l, _ = pdk.paged_decode_partials(pdk.pad_group(q, 16), [tier], group=4)
+    ids = pages[0, 0]
+    kw = fmt.key_width
+    keys = data[ids, :cap * kw].reshape(8, cap, kw)
+    vals = data[ids, cap * kw:].reshape(8, D // 2, cap).transpose(0, 2, 1)
+    kh = qz.dequantize_packed(keys, ks[ids], kz[ids], 8, D).reshape(1, 1, 8 * cap, D)
+    vh = qz.dequantize_packed(vals, vs[ids], vz[ids], 4, D).reshape(1, 1, 8 * cap, D)
     ro, rm, rl, _ = pdk.tier_attention_reference(q, kh, vh, n_tok)
     out = pdk.merge_partials([(o[:, :, :, :4], m[..., :4], l[..., :4])])[0]
     ref = pdk.merge_partials([(ro, rm, rl)])[0]

@@ -1,0 +1,75 @@
+"""Integer codes to float16 dot operands, inside a Pallas kernel.
+
+A code ``c < 1024`` ORed into the mantissa of float16 1024.0 (bits ``0x6400 | c``)
+is exactly ``1024 + c``, so codes become dot operands with integer bit
+operations only; the kernels fold the 1024 into their offset terms. Int-to-float
+conversions, by contrast, run at a fraction of the integer rate on Hopper.
+
+On the GPU one inline-assembly instance handles four packed bytes at once
+(one 32-bit register): a shift and a mask per code slice, then two byte
+permutes (``prmt``) that interleave the codes with the 0x64 exponent byte.
+That is about one instruction per code, where the compiler's own lowering of
+the same jnp expression spends four (it moves every byte through its own
+register). In interpret mode the same function is computed with jnp.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MAGIC = 1024.0
+MAGIC_BITS = 0x6400
+
+
+def _asm(bits: int, i: int) -> str:
+    """PTX for one 32-bit word of packed codes -> slice ``i`` as 4 float16 ``1024 + c``.
+
+    One instance per slice: Pallas lowers an inline-assembly call with a single result.
+    """
+    mask = ((1 << bits) - 1) * 0x01010101
+    lines = ["{", ".reg .b32 f, c;", "mov.b32 f, 0x64646464;"]
+    if bits == 8:
+        lines.append("mov.b32 c, $2;")
+    elif i == 0:
+        lines.append(f"and.b32 c, $2, {mask:#010x};")
+    else:
+        lines.append(f"shr.b32 c, $2, {bits * i};")
+        lines.append(f"and.b32 c, c, {mask:#010x};")
+    # Output bytes [c0, 0x64, c1, 0x64] and [c2, 0x64, c3, 0x64]: float16 1024 + c.
+    lines += ["prmt.b32 $0, c, f, 0x4140;", "prmt.b32 $1, c, f, 0x4342;", "}"]
+    return "\n".join(lines)
+
+
+def magic_slices(packed: jax.Array, bits: int, *, interpret: bool) -> list[jax.Array]:
+    """Float16 ``1024 + code`` for every code slice of ``packed`` (uint8, any shape).
+
+    Slice ``i`` holds the codes at bit offset ``i * bits`` of each byte (see
+    :mod:`diffkv_jax.quantization`); 8-bit codes are one slice.
+    """
+    n = 8 // bits
+    if interpret:
+        mask = jnp.uint8((1 << bits) - 1)
+        out = []
+        for i in range(n):
+            c = (packed >> jnp.uint8(bits * i)) & mask if bits < 8 else packed
+            out.append(lax.bitcast_convert_type(c.astype(jnp.uint16) | jnp.uint16(MAGIC_BITS),
+                                                jnp.float16))
+        return out
+    from jax.experimental.pallas import triton as plgpu
+
+    shape = jax.ShapeDtypeStruct(packed.shape, jnp.float16)
+    return [plgpu.elementwise_inline_asm(_asm(bits, i), args=[packed], constraints="=r,=r,r",
+                                         pack=4, result_shape_dtypes=[shape])[0]
+            for i in range(n)]
+
+
+def exact_slices(packed: jax.Array, bits: int, dtype) -> list[jax.Array]:
+    """The code slices of ``packed`` converted to ``dtype`` exactly (no magic offset)."""
+    n = 8 // bits
+    if bits == 8:
+        return [packed.astype(jnp.float32).astype(dtype)]
+    mask = jnp.uint8((1 << bits) - 1)
+    return [((packed >> jnp.uint8(bits * i)) & mask).astype(jnp.float32).astype(dtype)
+            for i in range(n)]

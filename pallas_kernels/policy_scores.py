@@ -1,0 +1,231 @@
+"""Score accumulation and victim search of the tiering policy, one launch per layer.
+
+After the decode attention of a layer, every cached token's score grows by the
+probability it just received (max over the query heads of its GQA group), and
+each (sequence, KV head) row needs its *victim* per tier: the token the
+policy would demote or evict. One program per row walks the row's pages of
+each tier once: it turns the attention kernel's logits into probabilities
+(``exp2(logit - M) / L`` with the merged softmax statistics), adds them to
+the scores in place, and keeps the lexicographic minimum of ``(key, tie,
+slot)`` over the eligible tokens, where by rule
+
+* ``"diffkv"``: key = importance (score / counted queries, as
+  :func:`diffkv_jax.diffkv_policy.query_counts`), tie = slot; high tier
+  eligible outside the newest ``window`` positions, low tier always;
+* ``"h2o"``: key = raw score, tie = position, outside the newest ``window``;
+* ``"streamingllm"``: key = 0, tie = position (the oldest), positions >= ``sinks``;
+* ``"snapkv"``: no token is eligible (it never evicts at decode).
+
+This replaces a chain of XLA gathers, reductions and scatters over every
+slot a row could hold with one pass over the slots it does hold.
+:func:`score_victims_reference` is the plain-jnp version it is tested against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from diffkv_jax.diffkv_policy import query_counts
+from pallas_kernels import backend
+
+BIG = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class VictimRule:
+    """Static policy settings the victim search needs."""
+
+    rule: str = "diffkv"
+    window: int = 64
+    sinks: int = 4
+    obs_window: int | None = 64
+
+    def key_tie_eligible(self, tier: int, score, pos, slot, valid, prompt_len, cur):
+        """Per-slot ``(key, tie, eligible)`` of the victim search in ``tier``."""
+        if self.rule == "diffkv":
+            eligible = valid & ((pos <= cur - self.window) if tier == 0 else True)
+            return score / query_counts(self, pos, prompt_len, cur), slot, eligible
+        if tier != 0 or self.rule == "snapkv":
+            return score, slot, valid & False
+        if self.rule == "h2o":
+            return score, pos, valid & (pos <= cur - self.window)
+        return jnp.zeros_like(score), pos, valid & (pos >= self.sinks)  # streamingllm
+
+
+def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimRule,
+            group: int, block: int, interpret: bool):
+    n_t = len(caps)
+    m_ref, l_ref, row_ref, pos_ref, sc_in = refs[:5]
+    lg_refs, page_refs = refs[5:5 + n_t], refs[5 + n_t:5 + 2 * n_t]
+    sc_ref, vi_ref, vf_ref = refs[5 + 2 * n_t:]
+    del sc_in  # aliased with sc_ref
+    n_tok = [row_ref[t] for t in range(n_t)]
+    cur, prompt_len = row_ref[n_t], row_ref[n_t + 1]
+    # Row indices of the group (the GPU pads loads to a power of two by repeating the
+    # last real row, which leaves the max over rows unchanged).
+    Gq = group if interpret else pl.next_power_of_2(group)
+    rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (Gq,), 0), group - 1)
+    M2, L = m_ref[rows], l_ref[rows]
+    inv_l = 1.0 / L
+    ints, floats = [], []
+    for t, (cap, width) in enumerate(zip(caps, widths)):
+        lg_ref, pages_ref = lg_refs[t], page_refs[t]
+        n = min(block, pl.next_power_of_2(width * cap))  # tokens per step, whole pages
+        lane = lax.broadcasted_iota(jnp.int32, (n,), 0)
+        row_pages = (n_tok[t] + cap - 1) // cap
+
+        def body(j, best, t=t, cap=cap, width=width, n=n, lg_ref=lg_ref, pages_ref=pages_ref,
+                 lane=lane, row_pages=row_pages):
+            bk, bt, bs, bp, bsc = best
+            slot = j * n + lane
+            col = jnp.minimum(slot, width * cap - 1)
+            page_idx = slot // cap
+            page = pages_ref[jnp.minimum(page_idx, width - 1)]  # [n] (each page cap times)
+            within = slot % cap
+            lg = lg_ref[rows[:, None], col[None, :]]  # [Gq, n]
+            p = jnp.max(jnp.exp2(lg - M2[:, None]) * inv_l[:, None], axis=0)
+            valid = slot < n_tok[t]
+            old = sc_ref[page, within]
+            score = jnp.where(valid, old + p, old)
+            # Only the row's own pages are written (columns past them may name pages
+            # that other rows own).
+            owned = page_idx < row_pages
+            if interpret:  # lanes past the row's pages scatter out of bounds (dropped)
+                sc_ref[jnp.where(owned, page, sc_ref.shape[0]), within] = score
+            else:
+                from jax.experimental.pallas import triton as plgpu
+
+                plgpu.store(sc_ref.at[page, within], score, mask=owned)
+            pos = pos_ref[page, within]
+            key, tie, elig = rule.key_tie_eligible(t, score, pos, slot, valid, prompt_len, cur)
+            key = jnp.where(elig, key, jnp.inf)
+            kmin = jnp.min(key)
+            is_k = elig & (key == kmin)
+            tmin = jnp.min(jnp.where(is_k, tie, BIG))
+            is_t = is_k & (tie == tmin)
+            smin = jnp.min(jnp.where(is_t, slot, BIG))
+            pick = slot == smin
+            pmin = jnp.sum(jnp.where(pick, pos, 0))
+            scmin = jnp.sum(jnp.where(pick, score, 0.0))
+            better = (kmin < bk) | ((kmin == bk) & ((tmin < bt) | ((tmin == bt) & (smin < bs))))
+            better = better & (smin < BIG)
+            return (jnp.where(better, kmin, bk), jnp.where(better, tmin, bt),
+                    jnp.where(better, smin, bs), jnp.where(better, pmin, bp),
+                    jnp.where(better, scmin, bsc))
+
+        steps = (n_tok[t] + n - 1) // n
+        init = (jnp.float32(jnp.inf), jnp.int32(BIG), jnp.int32(BIG), jnp.int32(0),
+                jnp.float32(0.0))
+        bk, bt, bs, bp, bsc = lax.fori_loop(0, steps, body, init)
+        found = bs < BIG
+        ints += [jnp.where(found, bs, -1), bp]
+        floats += [bk, bsc]
+    out_lane = lax.broadcasted_iota(jnp.int32, (2 * n_t,), 0)
+    vi, vf = jnp.zeros((2 * n_t,), jnp.int32), jnp.zeros((2 * n_t,), jnp.float32)
+    for i, (a, b) in enumerate(zip(ints, floats)):
+        vi = jnp.where(out_lane == i, a, vi)
+        vf = jnp.where(out_lane == i, b, vf)
+    vi_ref[...] = vi
+    vf_ref[...] = vf
+
+
+def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
+                  n_tok: Sequence[jax.Array], cur, prompt_len, scores, positions, *,
+                  caps: Sequence[int], group: int, rule: VictimRule = VictimRule(),
+                  block: int = 512, num_warps: int = 4, num_stages: int = 2,
+                  interpret: bool | None = None):
+    """Add this step's probabilities to the scores and find each row's victims.
+
+    Args:
+      logits: per tier ``[S, H, >= group, W_t * cap_t]`` log2-unit logits of the
+        attention kernel.
+      M, L: ``[S, H, >= group]`` merged softmax max (natural units) and normalizer.
+      pages: per tier ``[S, H, W_t]`` page IDs; n_tok: per tier ``[S, H]`` tokens held
+        (0 for rows that must not change).
+      cur, prompt_len: ``[S]`` position of the token being decoded and prompt length.
+      scores, positions: the ``[P, >= max(caps)]`` side arrays (scores are updated
+        in place when donated).
+      block: tokens a program handles per step (whole pages, gathered by page ID).
+    Returns:
+      ``(scores, victims)``; ``victims`` per tier ``(slot, key, pos, score)``, each
+      ``[S, H]``: the victim's slot in the row's tier (-1 when none is eligible),
+      its key, position and updated score.
+    """
+    if interpret is None:
+        interpret = backend.default_interpret()
+    S, H = n_tok[0].shape
+    n_t = len(caps)
+    M2 = (M[:, :, :group] * 1.4426950408889634).astype(jnp.float32)
+    Lg = L[:, :, :group].astype(jnp.float32)
+    row = jnp.stack([*[n.astype(jnp.int32) for n in n_tok],
+                     jnp.broadcast_to(cur[:, None], (S, H)).astype(jnp.int32),
+                     jnp.broadcast_to(prompt_len[:, None], (S, H)).astype(jnp.int32)], -1)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda s, h: (0,) * a.ndim)  # noqa: E731
+    per_row = lambda a: pl.BlockSpec((None, None) + a.shape[2:],  # noqa: E731
+                                     lambda s, h: (s, h) + (0,) * (a.ndim - 2))
+    args = [M2, Lg, row, positions, scores, *logits, *[p.astype(jnp.int32) for p in pages]]
+    in_specs = [per_row(M2), per_row(Lg), per_row(row), whole(positions), whole(scores),
+                *[per_row(x) for x in logits], *[per_row(p) for p in pages]]
+    out_shape = [jax.ShapeDtypeStruct(scores.shape, scores.dtype),
+                 jax.ShapeDtypeStruct((S, H, 2 * n_t), jnp.int32),
+                 jax.ShapeDtypeStruct((S, H, 2 * n_t), jnp.float32)]
+    out_specs = [whole(scores), pl.BlockSpec((None, None, 2 * n_t), lambda s, h: (s, h, 0)),
+                 pl.BlockSpec((None, None, 2 * n_t), lambda s, h: (s, h, 0))]
+    kernel = functools.partial(_kernel, caps=tuple(caps),
+                               widths=tuple(p.shape[-1] for p in pages), rule=rule, group=group,
+                               block=block, interpret=interpret)
+    new_scores, vi, vf = pl.pallas_call(
+        kernel, grid=(S, H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases={4: 0}, interpret=interpret,
+        compiler_params=None if interpret else backend.compiler_params(num_warps, num_stages),
+        name="policy_scores",
+    )(*args)
+    victims = [(vi[..., 2 * t], vf[..., 2 * t], vi[..., 2 * t + 1], vf[..., 2 * t + 1])
+               for t in range(n_t)]
+    return new_scores, victims
+
+
+def score_victims_reference(probs: Sequence[jax.Array], pages: Sequence[jax.Array],
+                            n_tok: Sequence[jax.Array], cur, prompt_len, scores, positions, *,
+                            caps: Sequence[int], rule: VictimRule = VictimRule()):
+    """Plain-jnp :func:`score_victims` from per-slot probabilities ``[S, H, W_t * cap_t]``."""
+    new_scores, victims = scores, []
+    for t, (p, pg, nt, cap) in enumerate(zip(probs, pages, n_tok, caps)):
+        S, H, W = pg.shape
+        if W == 0:  # a tier the row cannot hold (e.g. the low tier switched off)
+            victims.append((jnp.full((S, H), -1, jnp.int32), jnp.full((S, H), jnp.inf),
+                            jnp.zeros((S, H), jnp.int32), jnp.zeros((S, H), jnp.float32)))
+            continue
+        slot = jnp.arange(W * cap)
+        ids = jnp.repeat(pg, cap, axis=-1)
+        within = jnp.broadcast_to(jnp.tile(jnp.arange(cap), W), ids.shape)
+        valid = slot < nt[..., None]
+        old = scores[ids, within]
+        sc = jnp.where(valid, old + p, old)
+        pos = positions[ids, within]
+        key, tie, elig = rule.key_tie_eligible(t, sc, pos, slot, valid, prompt_len[:, None, None],
+                                               cur[:, None, None])
+        key = jnp.where(elig, key, jnp.inf)
+        kmin = jnp.min(key, axis=-1, keepdims=True)
+        is_k = elig & (key == kmin)
+        tmin = jnp.min(jnp.where(is_k, tie, BIG), axis=-1, keepdims=True)
+        is_t = is_k & (tie == tmin)
+        idx = jnp.min(jnp.where(is_t, slot, BIG), axis=-1)
+        found = idx < BIG
+        i = jnp.minimum(idx, W * cap - 1)[..., None]
+        take = lambda a: jnp.take_along_axis(a, i, axis=-1)[..., 0]  # noqa: E731
+        victims.append((jnp.where(found, idx, -1), jnp.where(found, take(key), jnp.inf),
+                        jnp.where(found, take(pos), 0), jnp.where(found, take(sc), 0.0)))
+        # Pages past the row's tokens are left alone (only owned pages are written).
+        owned = (jnp.arange(W) < -(-nt // cap)[..., None])
+        wpages = jnp.where(owned, pg, scores.shape[0])
+        rows = sc.reshape(S, H, W, cap)
+        new_scores = new_scores.at[wpages[..., None], jnp.arange(cap)].set(rows, mode="drop")
+    return new_scores, victims

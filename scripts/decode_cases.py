@@ -1,0 +1,109 @@
+"""Random decode-attention cases on the device, shared by the kernel benchmarks.
+
+A case is the rows of a batch at one context length, stored in one or more
+tiers (random codes and metadata, random page order); :func:`case_reference`
+dequantizes them for the plain-jnp reference.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import paged_decode as pdk
+
+SHAPES = {"llama3-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}
+#: Named tier mixes: (k_bits, v_bits, slots, fraction of the context).
+MIXES = {
+    "bf16": [(16, 16, 16, 1.0)],
+    "int8": [(8, 8, 32, 1.0)],
+    "diffkv-high": [(8, 4, 32, 1.0)],
+    "diffkv-low": [(4, 2, 64, 1.0)],
+    "diffkv-50/50": [(8, 4, 32, 0.5), (4, 2, 64, 0.5)],
+    # 35% of tokens K8V4, 45% K4V2, 20% pruned
+    "diffkv-mix": [(8, 4, 32, 0.35), (4, 2, 64, 0.45)],
+}
+
+
+def random_case(key, mix: str, S: int, H: int, D: int, context: int):
+    """``(tiers, bytes_read)``: the tier inputs of ``S x H`` rows and the bytes a
+    kernel must read for them (codes or values, metadata, page IDs)."""
+    tiers, nbytes = [], 0
+    for kb, vb, cap, frac in MIXES[mix]:
+        fmt = pdk.TierFormat(kb, vb, D, cap)
+        n = int(context * frac)
+        npr = max(1, -(-n // cap))
+        P = S * H * npr
+        key, a, b, c = jax.random.split(key, 4)
+        pages = jax.random.permutation(c, P).reshape(S, H, npr).astype(jnp.int32)
+        n_tok = jnp.full((S, H), n, jnp.int32)
+        if fmt.quantized:
+            data = jax.random.randint(a, (P, fmt.data_bytes), 0, 256, jnp.int32).astype(jnp.uint8)
+            meta = jax.random.uniform(b, (2, P, cap, 2), jnp.float16, 0.01, 0.1)
+            kv, vv = pdk.page_views(data, fmt)
+            tiers.append(pdk.TierInput(fmt, kv, vv, (pdk.pack_meta(meta[0, ..., 0], meta[0, ..., 1]),
+                                                    pdk.pack_meta(meta[1, ..., 0], meta[1, ..., 1])),
+                                       pages, n_tok))
+            nbytes += n * (fmt.key_width + fmt.value_width + 8) + npr * 4
+        else:
+            k = jax.random.normal(a, (P, cap, D), jnp.bfloat16)
+            v = jax.random.normal(b, (P, cap, D), jnp.bfloat16)
+            tiers.append(pdk.TierInput(fmt, k, v, None, pages, n_tok))
+            nbytes += n * 4 * D + npr * 4
+    return tiers, nbytes * S * H
+
+
+def case_reference(q, tiers):
+    """Per tier ``(o, m, l, logits)`` of the plain-jnp reference on dequantized tokens."""
+    from diffkv_jax import quantization as qz
+
+    out = []
+    for t in tiers:
+        f, ids = t.fmt, t.pages
+        S, H, NP = ids.shape
+        if f.quantized:
+            P = t.keys.shape[0]
+            flat = t.keys.reshape(P, -1)
+            keys = flat[:, :f.slots * f.key_width].reshape(P, f.slots, f.key_width)
+            vals = flat[:, f.slots * f.key_width:].reshape(P, f.value_width, f.slots)
+            km = jax.lax.bitcast_convert_type(t.meta[0], jnp.float16)
+            vm = jax.lax.bitcast_convert_type(t.meta[1], jnp.float16)
+            kh = qz.dequantize_packed(keys[ids], km[ids, :f.slots, 0], km[ids, :f.slots, 1],
+                                      f.k_bits, f.head_dim)
+            vh = qz.dequantize_packed(vals[ids].swapaxes(-1, -2), vm[ids, :f.slots, 0],
+                                      vm[ids, :f.slots, 1], f.v_bits, f.head_dim)
+        else:
+            kh, vh = t.keys[ids], t.values[ids]
+        n = NP * f.slots
+        out.append(pdk.tier_attention_reference(q.astype(jnp.float32),
+                                                kh.reshape(S, H, n, -1), vh.reshape(S, H, n, -1),
+                                                t.n_tok))
+    return out
+
+
+def time_ms(fn, *args, reps: int = 20, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the mean time of ``reps`` back-to-back calls (ms).
+
+    Back-to-back calls keep the device busy, so host dispatch stays out of the
+    figure once it is shorter than the call itself.
+    """
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t0) / reps)
+    ts.sort()
+    return ts[len(ts) // 2] * 1e3
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth (TB/s, bytes read + written) through XLA."""
+    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
+    ms = time_ms(jax.jit(lambda a: a + 1), x, reps=5, rounds=3)
+    return 2 * x.nbytes / (ms * 1e-3) / 1e12
