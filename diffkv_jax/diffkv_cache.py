@@ -169,6 +169,13 @@ class DiffKVCache(SlotAccounting):
     def init_state(self, num_pages: int) -> DiffKVState:
         S, L, H, R = self.max_seqs, self.num_layers, self.num_kv_heads, self.row_len
         lay = self.layout
+        if self.attention_impl == "pallas" and not pdk.addressable(
+                (num_pages + 1) * lay.data_bytes, 1):
+            below = 2**31 // lay.data_bytes - 1
+            above = 2**32 // lay.data_bytes + 1
+            raise ValueError(f"{num_pages} pages ({(num_pages + 1) * lay.data_bytes} bytes of "
+                             "codes) fall where the GPU kernel's 32-bit offsets overflow "
+                             f"(2 - 4 GiB); use at most {below} or at least {above} pages")
         meta = lambda dt: jnp.zeros((num_pages + 1, lay.slots), dt)  # noqa: E731
         return DiffKVState(
             data=jnp.zeros((num_pages + 1, lay.data_bytes), jnp.uint8),
@@ -563,17 +570,12 @@ def _scatter_rows(data, page, start, rows):
 
 
 def _scatter_columns(data, cap: int, page, row, col, cols):
-    """Seen as ``[P, rows, cap]``: ``data[page, row : row + w, col] = cols`` for every
-    index (``cols [..., w]``); out-of-range pages are dropped."""
-    P, width = data.shape
+    """Seen as rows of ``cap`` bytes: ``data[page, (row + r) * cap + col] = cols[..., r]``
+    for every index (``cols [..., w]``: a column of the value rows); out-of-range
+    pages are dropped."""
     w = cols.shape[-1]
-    view = data.reshape(P, width // cap, cap)
-    idx = jnp.stack([page, jnp.full_like(page, row), col], axis=-1).reshape(-1, 3)
-    dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0, 2),
-                                            scatter_dims_to_operand_dims=(0, 1, 2))
-    view = jax.lax.scatter(view, idx.astype(jnp.int32), cols.reshape(-1, w).astype(data.dtype),
-                           dnums, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
-    return view.reshape(P, width)
+    offsets = (row + jnp.arange(w)) * cap + col[..., None]
+    return scatter_set(data, (page[..., None], offsets), cols.astype(data.dtype))
 
 
 def compressed_decode_attention(q, k_new, v_new, hi: RowView, lo: RowView):

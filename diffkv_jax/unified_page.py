@@ -4,12 +4,12 @@ A page holds the tokens of one (sequence, layer, KV head) at one precision.
 Its data bytes are fixed; a tier with fewer bits per token fits more tokens in
 the same bytes (K8V4: T tokens, K4V2: 2T tokens for the same ``T * 1.5 * D``
 bytes), so a page is always full of useful data. Inside the data blob a tier
-stores its tokens one after the other, each as ``[packed key | packed value]``
-(``token_bytes`` apart), so the pool viewed as ``[pages, capacity,
-token_bytes]`` is a free reshape and a kernel loads a block of tokens' keys
-(or values) as one strided 2-D tile. Per-token metadata (key/value scale and
-zero, accumulated score, position) lives in side arrays that share the page
-ID, sized for the tier with the most tokens per page.
+stores ``[capacity, key_width]`` packed keys token-major, then
+``[value_width, capacity]`` packed values byte-dim-major (the layout the
+decode kernel reads, :mod:`pallas_kernels.paged_decode`). Per-token metadata
+(key/value scale and zero packed in one uint32 each, accumulated score,
+position) lives in side arrays that share the page ID, sized for the tier
+with the most tokens per page.
 """
 
 from __future__ import annotations

@@ -170,17 +170,13 @@ def _unpack_meta(word: jax.Array) -> tuple[jax.Array, jax.Array]:
             half(word >> jnp.uint32(16)).astype(jnp.float32))
 
 
-def _output_parts(tiers: Sequence[TierInput]) -> int:
-    """Accumulators the output is kept in: one per slice of the most packed value codes."""
-    return max(8 // t.fmt.v_bits if t.fmt.quantized else 1 for t in tiers)
-
-
 def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: bool):
     n_t = len(tiers)
     q_ref, tier_refs = refs[0], refs[1:1 + 6 * n_t]
     o_ref, m_ref, l_ref = refs[1 + 6 * n_t:4 + 6 * n_t]
     s_refs = refs[4 + 6 * n_t:]
     Gp, D = q_ref.shape
+    # The output is kept in one accumulator per slice of the most packed value codes.
     parts = max(8 // f.v_bits if f.quantized else 1 for f in tiers)
     w = D // parts
     split = pl.program_id(2)
@@ -242,7 +238,6 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
             q_full = q_part(0, D, pdt)
 
         def body(j, carry):
-            accs, m_prev, l_prev, r_prev, z_prev = carry
             page = pages_ref[j]
             valid = j * cap + col_iota < n_tok
             if fmt.quantized:
@@ -334,12 +329,10 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
             raise ValueError(f"pages of {t.fmt.slots} tokens: the GPU kernel needs >= 16 "
                              "tokens per page (its smallest dot tile)")
         for pool in (t.keys, t.values):
-            # The Triton lowering indexes a ref with 32-bit signed element offsets unless
-            # it holds more than 2^32 bytes; in between, offsets would overflow.
-            if pool.size >= 2**31 and pool.size * pool.dtype.itemsize <= 2**32:
+            if not addressable(pool.size, pool.dtype.itemsize):
                 raise ValueError(f"a pool of {pool.size} elements of {pool.dtype.itemsize} "
                                  "bytes cannot be addressed by one kernel launch (32-bit "
-                                 "offsets); use a pool under 2^31 elements or over 4 GiB")
+                                 "offsets); use a pool of at most 2^31 elements or over 4 GiB")
     whole = lambda a: pl.BlockSpec(a.shape, lambda s, h, k: (0,) * a.ndim)  # noqa: E731
     row = lambda a: pl.BlockSpec((None, None, a.shape[-1]), lambda s, h, k: (s, h, 0))  # noqa
     dummy = jnp.zeros((1, 1), jnp.uint32)
@@ -378,6 +371,13 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
     o, m, l = outs[:3]
     logits = [x[:, :, :G] for x in outs[3:]] if cfg.emit_logits else [None] * len(tiers)
     return o, m, l, logits
+
+
+def addressable(elements: int, itemsize: int) -> bool:
+    """Whether a pool fits the Triton lowering's offsets: it indexes a ref with 32-bit
+    signed element offsets unless the ref holds more than 2^32 bytes, so a pool of
+    more than 2^31 one-byte elements and at most 4 GiB would overflow them."""
+    return elements <= 2**31 or elements * itemsize > 2**32
 
 
 def pad_group(q, multiple: int):

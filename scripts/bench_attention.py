@@ -49,6 +49,46 @@ def main() -> int:
     from scripts.decode_cases import (SHAPES, case_reference, copy_bandwidth, random_case,
                                       time_ms)
 
+    def run_variant(v, model, S, N, q, qg, kq, key, index):
+        nq, H, D = SHAPES[model]
+        G = nq // H
+        if v == "jax-bf16":
+            ps, per_row = 16, N // 16
+            if H * S * per_row * ps * D >= 2**31:
+                print(f"skip jax-bf16 {model} B={S} N={N}: its pools need 64-bit "
+                      "offsets", flush=True)
+                return None
+            kp = jax.random.normal(kq, (H, S * per_row, ps, D), jnp.bfloat16)
+            tables = jax.random.permutation(kq, S * per_row).reshape(
+                S, per_row).astype(jnp.int32)
+            fn = jax.jit(functools.partial(
+                jax_pa.paged_attention, pages_per_compute_block=8,
+                k_splits=min(16, per_row // 8), block_h=16))
+            ms = time_ms(fn, q / math.sqrt(D), kp, kp, tables,
+                         jnp.full((S,), N, jnp.int32))
+            del kp
+            return ms, S * H * (N * 4 * D + per_row * 4), None
+        mix = "bf16" if v == "ours-bf16" else v
+        tiers, nbytes = random_case(jax.random.fold_in(key, index), mix, S, H, D,
+                                    N)
+        widths = max(t.pages.shape[-1] for t in tiers)
+        cfg = _launch(S, H, widths, emit_logits=mix.startswith("diffkv"))
+
+        @jax.jit
+        def ours(qg, tiers, cfg=cfg):
+            o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg)
+            return pdk.merge_partials([(o, m, l)])[0], logits
+
+        small, _ = random_case(jax.random.fold_in(key, 99), mix, 2, H, D,
+                               min(N, 2048))
+        ref = case_reference(qg[:2, :, :G], small)
+        rout = pdk.merge_partials([r[:3] for r in ref])[0]
+        got = ours(qg[:2], small)[0][:, :, :G]
+        err = float(jnp.abs(got - rout).max() / jnp.abs(rout).max())
+        ms = time_ms(ours, qg, tiers)
+        del tiers
+        return ms, nbytes, err
+
     bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.2f} TB/s", flush=True)
     variants = args.variants.split(",")
@@ -63,43 +103,13 @@ def main() -> int:
                 qg = pdk.pad_group(q.reshape(S, H, G, D), 16)
                 res = {}
                 for v in variants:
-                    if v == "jax-bf16":
-                        ps, per_row = 16, N // 16
-                        if H * S * per_row * ps * D >= 2**31:
-                            print(f"skip jax-bf16 {model} B={S} N={N}: its pools need 64-bit "
-                                  "offsets", flush=True)
-                            continue
-                        kp = jax.random.normal(kq, (H, S * per_row, ps, D), jnp.bfloat16)
-                        tables = jax.random.permutation(kq, S * per_row).reshape(
-                            S, per_row).astype(jnp.int32)
-                        fn = jax.jit(functools.partial(
-                            jax_pa.paged_attention, pages_per_compute_block=8,
-                            k_splits=min(16, per_row // 8), block_h=16))
-                        ms = time_ms(fn, q / math.sqrt(D), kp, kp, tables,
-                                     jnp.full((S,), N, jnp.int32))
-                        res[v] = (ms, S * H * (N * 4 * D + per_row * 4), None)
-                        del kp
-                        continue
-                    mix = "bf16" if v == "ours-bf16" else v
-                    tiers, nbytes = random_case(jax.random.fold_in(key, len(res)), mix, S, H, D,
-                                                N)
-                    widths = max(t.pages.shape[-1] for t in tiers)
-                    cfg = _launch(S, H, widths, emit_logits=mix.startswith("diffkv"))
-
-                    @jax.jit
-                    def ours(qg, tiers, cfg=cfg):
-                        o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg)
-                        return pdk.merge_partials([(o, m, l)])[0], logits
-
-                    small, _ = random_case(jax.random.fold_in(key, 99), mix, 2, H, D,
-                                           min(N, 2048))
-                    ref = case_reference(qg[:2, :, :G], small)
-                    rout = pdk.merge_partials([r[:3] for r in ref])[0]
-                    got = ours(qg[:2], small)[0][:, :, :G]
-                    err = float(jnp.abs(got - rout).max() / jnp.abs(rout).max())
-                    ms = time_ms(ours, qg, tiers)
-                    res[v] = (ms, nbytes, err)
-                    del tiers
+                    try:
+                        res[v] = run_variant(v, model, S, N, q, qg, kq, key, len(res))
+                    except Exception as e:  # report and keep going (e.g. an unaddressable pool)
+                        print(f"skip {v} {model} B={S} N={N}: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:160]}", flush=True)
+                    if res.get(v) is None:
+                        res.pop(v, None)
                 base = res.get("jax-bf16", (None,))[0]
                 for v, (ms, nb, err) in res.items():
                     tb = nb / (ms * 1e-3) / 1e12

@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""Registers, spills and shared memory of the paged decode kernel (GPU machine).
+"""Registers, spills, shared memory and loop instructions of the paged decode kernel.
 
-Prints the Triton IR that Pallas emits for each launch configuration, then
-compiles it with the ``triton`` Python package (when installed) to read the
-resource report and keep the TTGIR / PTX for inspection:
+Prints the Triton IR that Pallas emits for each launch configuration (works
+on a CPU machine), then compiles it with the ``triton`` Python package (when
+installed) for sm_90 to read the resource report, disassemble it and count the
+instructions of each tier's page loop per token, keeping TTGIR / PTX / cubin:
 
-    python scripts/kernel_resources.py --tiers 8-4-32,16-16-16 --out results/ttir
+    python scripts/kernel_resources.py --tiers 8-4-32,8-4-32+4-2-64 --warps 1,2
 
 The ``triton`` package's compiler is close to, not the same as, the one inside
 XLA, so treat the numbers as a guide. Occupancy follows from 65,536 registers
@@ -68,16 +69,36 @@ def triton_ir(fn, *args) -> str:
     return text[text.index(MARK):].split("\n", 1)[1]  # strip_locations cuts the module out
 
 
+def loop_instructions(sass: str) -> list[int]:
+    """Instructions in each loop of a SASS listing (a backward branch closes a loop)."""
+    labels, cur, instrs = {}, None, []
+    for line in sass.split("\n"):
+        m = re.match(r"^(\.L_x_\d+):", line)
+        if m:
+            cur = m.group(1)
+            labels[cur] = None
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)", line)
+        if m:
+            addr = int(m.group(1), 16)
+            if cur and labels[cur] is None:
+                labels[cur] = addr
+            instrs.append((addr, m.group(2)))
+    loops = []
+    for addr, text in instrs:
+        m = re.search(r"BRA `?\(?(\.L_x_\d+)", text)
+        if m and labels.get(m.group(1)) is not None and labels[m.group(1)] < addr:
+            loops.append(sum(1 for a, _ in instrs if labels[m.group(1)] <= a <= addr))
+    return loops
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiers", default="8-4-32,4-2-64,16-16-16")
+    p.add_argument("--tiers", default="8-4-32,4-2-64,8-4-32+4-2-64,8-8-32,16-16-16",
+                   help="k-v-slots per tier, '+' joins the tiers of one launch")
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--group", type=int, default=16, help="query rows (padded group)")
-    p.add_argument("--tokens-per-block", default="64")
-    p.add_argument("--warps", default="4")
-    p.add_argument("--stages", default="1")
-    p.add_argument("--prefetch", default="0")
-    p.add_argument("--skip", default="-", help="';'-separated stage sets, as in tune_decode_kernel")
+    p.add_argument("--group", type=int, default=4, help="real query rows per KV head")
+    p.add_argument("--warps", default="1,2")
+    p.add_argument("--stages", default="3")
     p.add_argument("--out", default="results/ttir")
     args = p.parse_args()
 
@@ -93,37 +114,33 @@ def main() -> int:
         triton = None
     os.makedirs(args.out, exist_ok=True)
     D, G = args.head_dim, args.group
-    print(f"{'tier':9s} {'tpb':>4s} {'w':>2s} {'st':>2s} {'pf':>2s} {'skip':22s} {'regs':>5s} "
-          f"{'spill B':>7s} {'smem B':>7s} {'blocks/SM':>9s}")
-    for tier, tpb, warps, stages, pf, skip in itertools.product(
-            args.tiers.split(","), (int(x) for x in args.tokens_per_block.split(",")),
-            (int(x) for x in args.warps.split(",")), (int(x) for x in args.stages.split(",")),
-            (int(x) for x in args.prefetch.split(",")), args.skip.split(";")):
-        kb, vb, cap = (int(x) for x in tier.split("-"))
-        skip_t = () if skip == "-" else tuple(skip.split("+"))
-        npb = max(1, tpb // cap)
-        P = 8
-        if kb == 16:
-            kp = jnp.zeros((P, cap, D), jnp.bfloat16)
-            metas = (None,) * 4
-            fmt = pdk.TierFormat(16, 16, D, cap)
-        else:
-            kw, vw = D * kb // 8, D * vb // 8
-            kp = jnp.zeros((P, cap, kw + vw), jnp.uint8)
-            metas = tuple(jnp.zeros((P, cap), jnp.float16) for _ in range(4))
-            fmt = pdk.TierFormat(kb, vb, D, cap, 0, kw)
-        cfg = pdk.LaunchConfig(pages_per_block=npb, num_warps=warps, num_stages=stages,
-                               emit_logits=False, skip=skip_t, prefetch=bool(pf))
-        q = jnp.zeros((1, 1, G, D), jnp.bfloat16)
-        pages = jnp.zeros((1, 1, npb * 2), jnp.int32)
-        ntok = jnp.zeros((1, 1), jnp.int32)
-        fn = jax.jit(lambda q, kp, pages, ntok: pdk.paged_decode_partials(
-            q, kp, kp, *metas, pages, ntok, fmt=fmt, cfg=cfg, interpret=False))
-        name = f"{tier}_tpb{tpb}_w{warps}_st{stages}_pf{pf}_{skip.replace('+', '-')}"
+    print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
+          f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
+    for spec, warps, stages in itertools.product(
+            args.tiers.split(","), (int(x) for x in args.warps.split(",")),
+            (int(x) for x in args.stages.split(","))):
+        tiers, caps = [], []
+        for part in spec.split("+"):
+            kb, vb, cap = (int(x) for x in part.split("-"))
+            fmt = pdk.TierFormat(kb, vb, D, cap)
+            pages, ntok = jnp.zeros((1, 1, 2), jnp.int32), jnp.zeros((1, 1), jnp.int32)
+            if kb == 16:
+                kp = jnp.zeros((8, cap, D), jnp.bfloat16)
+                tiers.append(pdk.TierInput(fmt, kp, kp, None, pages, ntok))
+            else:
+                kv, vv = pdk.page_views(jnp.zeros((8, fmt.data_bytes), jnp.uint8), fmt)
+                meta = (jnp.zeros((8, 64), jnp.uint32),) * 2
+                tiers.append(pdk.TierInput(fmt, kv, vv, meta, pages, ntok))
+            caps.append(cap)
+        cfg = pdk.LaunchConfig(num_warps=warps, num_stages=stages)
+        q = jnp.zeros((1, 1, 16, D), jnp.bfloat16)
+        fn = jax.jit(lambda q: pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg,
+                                                         interpret=False))
+        name = f"{spec.replace('+', '_')}_w{warps}_st{stages}"
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
-            fh.write(strip_locations(triton_ir(fn, q, kp, pages, ntok)))
-        line = f"{tier:9s} {tpb:4d} {warps:2d} {stages:2d} {pf:2d} {skip:22s}"
+            fh.write(strip_locations(triton_ir(fn, q)))
+        line = f"{spec:24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")
             continue
@@ -137,9 +154,17 @@ def main() -> int:
             with open(os.path.join(args.out, f"{name}.{ext}"), "w") as fh:
                 fh.write(k.asm[ext])
         regs, spills = ptxas_report(triton, os.path.join(args.out, f"{name}.ptx"))
+        cubin = os.path.join(args.out, f"{name}.cubin")
+        with open(cubin, "wb") as fh:
+            fh.write(k.asm["cubin"])
+        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                "nvdisasm")
+        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
+        per_token = [f"{n * warps / c:.1f}" for n, c in zip(loop_instructions(sass), caps)]
         smem = k.metadata.shared
         blocks = min(65536 // max(1, regs * 32 * warps), 232448 // max(1, smem + 1024), 32)
-        print(line + f" {regs:5d} {spills:6d} {smem:7d} {blocks:9d}", flush=True)
+        print(line + f" {regs:5d} {spills:7d} {smem:7d} {blocks:9d}  {', '.join(per_token)}",
+              flush=True)
     return 0
 
 

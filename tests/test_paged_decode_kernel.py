@@ -168,3 +168,19 @@ def test_pool_over_4gib_is_addressed_with_64bit_offsets_on_gpu():
     out = pdk.merge_partials([(o[:, :, :, :4], m[..., :4], l[..., :4])])[0]
     ref = pdk.merge_partials([(ro, rm, rl)])[0]
     assert np.abs(np.asarray(out) - np.asarray(ref)).max() <= 3e-2 * float(np.abs(ref).max())
+
+
+def test_pool_addressing_limits():
+    # 32-bit signed element offsets up to 4 GiB, 64-bit above: only one-byte pools
+    # of 2 - 4 GiB overflow.
+    assert pdk.addressable(2**31, 2) and pdk.addressable(2**31, 1)
+    assert not pdk.addressable(2**31 + 1, 1) and not pdk.addressable(2**32, 1)
+    assert pdk.addressable(2**32 + 1, 1) and pdk.addressable(2**30, 4)
+
+
+def test_diffkv_cache_refuses_pools_the_kernel_cannot_address():
+    from diffkv_jax.diffkv_cache import DiffKVCache
+
+    m = DiffKVCache(1, 1, 128, 1, 64, attention_impl="pallas")
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        m.init_state(3 * 2**30 // m.layout.data_bytes)
