@@ -245,8 +245,7 @@ class DiffKVCache(SlotAccounting):
         return (qz.dequantize_packed(kb, ks, kz, t.k_bits, D),
                 qz.dequantize_packed(vb, vs, vz, t.v_bits, D))
 
-    def gather_rows(self, state: DiffKVState, layer, tier: int, n_pages: int,
-                    with_kv: bool = True) -> RowView:
+    def gather_rows(self, state: DiffKVState, layer, tier: int, n_pages: int) -> RowView:
         """Gather ``n_pages`` pages of ``tier`` for every decode row of ``layer``.
 
         Whole pages are gathered and sliced (contiguous reads), then unpacked and
@@ -262,9 +261,6 @@ class DiffKVCache(SlotAccounting):
         ids = jnp.repeat(pids, cap, axis=-1)
         slot = jnp.broadcast_to(jnp.tile(jnp.arange(cap, dtype=jnp.int32), n_pages), ids.shape)
         valid = jnp.arange(n) < state.n_tok[:S, layer, :, tier][..., None]
-        if not with_kv:
-            return RowView(ids=ids, slot=slot, valid=valid, scores=meta(state.scores),
-                           positions=meta(state.positions), keys=None, values=None)
         blob = state.data[pids]  # [S, H, n_pages, data_bytes]
         kw, vw = lay.key_width(tier), lay.value_width(tier)
         kb = blob[..., :cap * kw].reshape(S, H, n, kw)

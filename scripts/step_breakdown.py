@@ -6,8 +6,10 @@ prefilled (random weights of the model's real architecture), then decode steps
 are timed in three builds of the same jitted step that leave parts out:
 
 * ``step``: the real step (``decode_and_sample``, as the engine runs it);
-* ``no-attention``: the attention kernel left out (zero output and, for
-  DiffKV, zero probabilities), the cache write and policy update kept;
+* ``no-attention`` (uncompressed cache only): the attention kernel left out
+  (zero output), the cache write kept; DiffKV without its kernel would be no
+  ablation (zero probabilities change every decision of the policy), so its
+  split comes from the kernel trace (``--profile``);
 * ``model-only``: no attention and no cache write (projections, MLP, norms,
   logits, sampling, and the per-step page allocation).
 
@@ -49,26 +51,18 @@ class Ablated:
         zero = jnp.zeros(q.shape, jnp.float32)
         if self._drop == "model-only":
             return state, zero
-        # no-attention: keep the write (and the policy update) without the kernel.
-        if m.name == "full":
-            from diffkv_jax.pool_writes import scatter_set
+        # no-attention (the uncompressed cache only): keep the write without the kernel.
+        from diffkv_jax.pool_writes import scatter_set
 
-            S = m.max_seqs
-            pos = state.lengths[:S]
-            rows = state.page_table[:S, layer]
-            page = jnp.take_along_axis(rows, (pos // m.page_size)[:, None, None], axis=2)[..., 0]
-            page = jnp.where(batch.active[:, None], page, state.k_pages.shape[0])
-            off = jnp.broadcast_to((pos % m.page_size)[:, None], page.shape)
-            return state.replace(k_pages=scatter_set(state.k_pages, (page, off), k[:, 0]),
-                                 v_pages=scatter_set(state.v_pages, (page, off), v[:, 0])), zero
-        n_hi, n_lo = m._widths(batch)
-        hi = m.gather_rows(state, layer, 0, n_hi, with_kv=False)
-        lo = m.gather_rows(state, layer, 1, n_lo, with_kv=False)
-        p_new = jnp.zeros(k.shape[:1] + k.shape[2:3], jnp.float32)
-        state = m.decode_update(state, layer, k[:, 0], v[:, 0], hi, lo,
-                                jnp.zeros_like(hi.scores), jnp.zeros_like(lo.scores), p_new,
-                                batch.active)
-        return state, zero
+        S = m.max_seqs
+        pos = state.lengths[:S]
+        rows = state.page_table[:S, layer]
+        page = jnp.take_along_axis(rows, (pos // m.page_size)[:, None, None], axis=2)[..., 0]
+        page = jnp.where(batch.active[:, None], page, state.k_pages.shape[0])
+        off = jnp.broadcast_to((pos % m.page_size)[:, None], page.shape)
+        return state.replace(k_pages=scatter_set(state.k_pages, (page, off), k[:, 0]),
+                             v_pages=scatter_set(state.v_pages, (page, off), v[:, 0])), zero
+
 
 VARIANTS = ("step", "no-attention", "model-only")
 
