@@ -1,12 +1,15 @@
-"""Decode attention of the cache methods through the Pallas paged decode kernel.
+"""Decode attention of the cache methods through the Pallas kernels.
 
-:func:`kernel_decode_attention` has the contract of
-:func:`diffkv_jax.diffkv_cache.compressed_decode_attention` (output plus
-per-token group-max probabilities for both tiers and the new token), computed
-by one kernel launch over both tiers straight from the packed pages, then an
-exact merge with the token being decoded (kept in full precision).
-:func:`full_decode_attention` is the uncompressed cache's counterpart (16-bit
-pages, no probabilities), so both methods run on equally good kernels.
+:func:`kernel_decode_step` is one layer of a DiffKV decode step on the GPU
+path: one attention launch over both tiers straight from the packed pages
+(:func:`kernel_decode_attention`, then an exact merge with the token being
+decoded, kept in full precision), one launch of the policy's score update and
+victim search (:mod:`pallas_kernels.policy_scores`), then the decision and the
+writes of :meth:`~diffkv_jax.diffkv_cache.DiffKVCache.apply_decision`; the
+plain-jnp path it must match is ``compressed_decode_attention`` +
+``decode_update``. :func:`full_decode_attention` is the uncompressed cache's
+counterpart (16-bit pages, no probabilities), so both methods run on equally
+good kernels.
 """
 
 from __future__ import annotations
