@@ -110,7 +110,7 @@ def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: i
     Returns ``(state, out [S, nq, D])``.
     """
     from diffkv_jax import diffkv_policy as pol
-    from pallas_kernels.policy_scores import score_victims
+    from pallas_kernels.policy_scores import no_victims, score_victims
 
     S, nq, _ = q.shape
     G = nq // method.num_kv_heads
@@ -122,9 +122,7 @@ def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: i
                                     state.prompt_len[:S], state.scores, state.positions,
                                     caps=caps, group=G, rule=pol.victim_rule(method.policy))
     if len(victims) == 1:  # no low tier: no low victim
-        none = jnp.full((S, method.num_kv_heads), -1, jnp.int32)
-        victims.append((none, jnp.full(none.shape, jnp.inf), jnp.zeros_like(none),
-                        jnp.zeros(none.shape, jnp.float32)))
+        victims.append(no_victims(S, method.num_kv_heads))
     state = method.apply_decision(state.replace(scores=scores), layer, k_new, v_new, victims,
                                   p_new, active)
     return state, out

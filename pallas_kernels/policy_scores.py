@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 
 from diffkv_jax.diffkv_policy import query_counts
 from pallas_kernels import backend
+from pallas_kernels.paged_decode import LOG2E
 
 BIG = 2**30
 
@@ -57,6 +58,24 @@ class VictimRule:
         if self.rule == "h2o":
             return score, pos, valid & (pos <= cur - self.window)
         return jnp.zeros_like(score), pos, valid & (pos >= self.sinks)  # streamingllm
+
+
+def _lexmin(key, tie, slot, eligible, axis=None):
+    """Lexicographic minimum of ``(key, tie, slot)`` over the eligible entries along
+    ``axis`` (all axes when None): ``(key, tie, slot)`` of it, ``slot == BIG`` when
+    nothing is eligible. Kernel and reference share it."""
+    key = jnp.where(eligible, key, jnp.inf)
+    kmin = jnp.min(key, axis=axis, keepdims=axis is not None)
+    is_k = eligible & (key == kmin)
+    tmin = jnp.min(jnp.where(is_k, tie, BIG), axis=axis, keepdims=axis is not None)
+    smin = jnp.min(jnp.where(is_k & (tie == tmin), slot, BIG), axis=axis)
+    return kmin, tmin, smin
+
+
+def no_victims(S: int, H: int):
+    """The victims of a tier a row cannot hold: none (slot -1)."""
+    return (jnp.full((S, H), -1, jnp.int32), jnp.full((S, H), jnp.inf),
+            jnp.zeros((S, H), jnp.int32), jnp.zeros((S, H), jnp.float32))
 
 
 def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimRule,
@@ -105,12 +124,7 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
                 plgpu.store(sc_ref.at[page, within], score, mask=owned)
             pos = pos_ref[page, within]
             key, tie, elig = rule.key_tie_eligible(t, score, pos, slot, valid, prompt_len, cur)
-            key = jnp.where(elig, key, jnp.inf)
-            kmin = jnp.min(key)
-            is_k = elig & (key == kmin)
-            tmin = jnp.min(jnp.where(is_k, tie, BIG))
-            is_t = is_k & (tie == tmin)
-            smin = jnp.min(jnp.where(is_t, slot, BIG))
+            kmin, tmin, smin = _lexmin(key, tie, slot, elig)
             pick = slot == smin
             pmin = jnp.sum(jnp.where(pick, pos, 0))
             scmin = jnp.sum(jnp.where(pick, score, 0.0))
@@ -162,7 +176,7 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
         interpret = backend.default_interpret()
     S, H = n_tok[0].shape
     n_t = len(caps)
-    M2 = (M[:, :, :group] * 1.4426950408889634).astype(jnp.float32)
+    M2 = (M[:, :, :group] * LOG2E).astype(jnp.float32)
     Lg = L[:, :, :group].astype(jnp.float32)
     row = jnp.stack([*[n.astype(jnp.int32) for n in n_tok],
                      jnp.broadcast_to(cur[:, None], (S, H)).astype(jnp.int32),
@@ -200,8 +214,7 @@ def score_victims_reference(probs: Sequence[jax.Array], pages: Sequence[jax.Arra
     for t, (p, pg, nt, cap) in enumerate(zip(probs, pages, n_tok, caps)):
         S, H, W = pg.shape
         if W == 0:  # a tier the row cannot hold (e.g. the low tier switched off)
-            victims.append((jnp.full((S, H), -1, jnp.int32), jnp.full((S, H), jnp.inf),
-                            jnp.zeros((S, H), jnp.int32), jnp.zeros((S, H), jnp.float32)))
+            victims.append(no_victims(S, H))
             continue
         slot = jnp.arange(W * cap)
         ids = jnp.repeat(pg, cap, axis=-1)
@@ -212,15 +225,11 @@ def score_victims_reference(probs: Sequence[jax.Array], pages: Sequence[jax.Arra
         pos = positions[ids, within]
         key, tie, elig = rule.key_tie_eligible(t, sc, pos, slot, valid, prompt_len[:, None, None],
                                                cur[:, None, None])
-        key = jnp.where(elig, key, jnp.inf)
-        kmin = jnp.min(key, axis=-1, keepdims=True)
-        is_k = elig & (key == kmin)
-        tmin = jnp.min(jnp.where(is_k, tie, BIG), axis=-1, keepdims=True)
-        is_t = is_k & (tie == tmin)
-        idx = jnp.min(jnp.where(is_t, slot, BIG), axis=-1)
+        _, _, idx = _lexmin(key, tie, slot, elig, axis=-1)
         found = idx < BIG
         i = jnp.minimum(idx, W * cap - 1)[..., None]
         take = lambda a: jnp.take_along_axis(a, i, axis=-1)[..., 0]  # noqa: E731
+        key = jnp.where(elig, key, jnp.inf)
         victims.append((jnp.where(found, idx, -1), jnp.where(found, take(key), jnp.inf),
                         jnp.where(found, take(pos), 0), jnp.where(found, take(sc), 0.0)))
         # Pages past the row's tokens are left alone (only owned pages are written).

@@ -34,20 +34,26 @@ def case(rng, caps=(8, 16), S=3, H=2, W=(3, 2), G=3, P=30, slots=16):
     return logits, probs, M, L, pages, n_tok, cur, plen, scores, positions
 
 
+def kernel_and_reference(rng, rule, caps, interpret, **case_args):
+    """The kernel's and the reference's ``(scores, victims)`` on one random case (one
+    tier for the eviction rules, which keep one), and the scores before."""
+    logits, probs, M, L, pages, n_tok, cur, plen, scores, positions = case(rng, caps, **case_args)
+    if rule.rule != "diffkv":
+        logits, probs, pages, n_tok, caps = logits[:1], probs[:1], pages[:1], n_tok[:1], caps[:1]
+    got = score_victims(logits, M, L, pages, n_tok, cur, plen, scores, positions, caps=caps,
+                        group=3, rule=rule, interpret=interpret)
+    ref = score_victims_reference(probs, pages, n_tok, cur, plen, scores, positions, caps=caps,
+                                  rule=rule)
+    return got, ref, scores
+
+
 @pytest.mark.parametrize("rule", [VictimRule("diffkv", window=100),
                                   VictimRule("diffkv", window=8, obs_window=None),
                                   VictimRule("h2o", window=50), VictimRule("streamingllm", sinks=40),
                                   VictimRule("snapkv")])
 def test_kernel_matches_reference(rule):
     rng = np.random.default_rng(hash(rule.rule) % 1000 + rule.window)
-    caps = (8, 16)
-    logits, probs, M, L, pages, n_tok, cur, plen, scores, positions = case(rng, caps)
-    if rule.rule != "diffkv":  # the eviction rules keep one tier
-        logits, probs, pages, n_tok, caps = logits[:1], probs[:1], pages[:1], n_tok[:1], caps[:1]
-    got_s, got_v = score_victims(logits, M, L, pages, n_tok, cur, plen, scores, positions,
-                                 caps=caps, group=3, rule=rule, interpret=True)
-    ref_s, ref_v = score_victims_reference(probs, pages, n_tok, cur, plen, scores, positions,
-                                           caps=caps, rule=rule)
+    (got_s, got_v), (ref_s, ref_v), scores = kernel_and_reference(rng, rule, (8, 16), True)
     np.testing.assert_allclose(got_s, ref_s, rtol=1e-6, atol=1e-6)
     assert not np.array_equal(np.asarray(got_s), np.asarray(scores))  # something was added
     for g, r in zip(got_v, ref_v):
@@ -86,15 +92,8 @@ def test_inactive_rows_and_foreign_pages_are_untouched():
                                   VictimRule("streamingllm", sinks=40)])
 def test_compiled_kernel_matches_reference_on_gpu(rule):
     rng = np.random.default_rng(11)
-    caps = (32, 64)
-    logits, probs, M, L, pages, n_tok, cur, plen, scores, positions = case(
-        rng, caps, W=(3, 2), P=40, slots=64)
-    if rule.rule != "diffkv":
-        logits, probs, pages, n_tok, caps = logits[:1], probs[:1], pages[:1], n_tok[:1], caps[:1]
-    got_s, got_v = score_victims(logits, M, L, pages, n_tok, cur, plen, scores, positions,
-                                 caps=caps, group=3, rule=rule, interpret=False)
-    ref_s, ref_v = score_victims_reference(probs, pages, n_tok, cur, plen, scores, positions,
-                                           caps=caps, rule=rule)
+    (got_s, got_v), (ref_s, ref_v), _ = kernel_and_reference(rng, rule, (32, 64), False,
+                                                             W=(3, 2), P=40, slots=64)
     # exp2 on the GPU is approximate (a few ulps): scores within 1e-5, victims equal
     # unless two keys are that close.
     np.testing.assert_allclose(got_s, ref_s, rtol=1e-5, atol=1e-6)
