@@ -293,7 +293,7 @@ class DiffKVCache(SlotAccounting):
 
     def prefill_attention(self, state: DiffKVState, layer, q, k, v, ctx):
         batch, ids, per_row = ctx
-        out = attn_ref.causal_attention(q, k, v, batch.lengths)
+        out = attn_ref.prefill_attention(q, k, v, batch.lengths)
         score_sum = prompt_scoring.prompt_scores(q, k, batch.lengths, self.policy.obs_window)
         return self.prefill_write(state, layer, k, v, score_sum, batch, ids, per_row), out
 

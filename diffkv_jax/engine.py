@@ -190,7 +190,7 @@ class Request:
     finish_reason: str | None = None
     slot: int | None = None
     preemptions: int = 0
-    admitted_at: int = -1  # scheduling order, newest admitted is preempted first
+    admitted_at: int = -1  # admissions so far when this request was last admitted
     # Tokens sampled by steps whose results the host had not read yet when it last
     # read results (or when the request left its slot); the admission they belong
     # to (a preempted request's in-flight tokens are dropped).
@@ -296,9 +296,15 @@ class Engine(Generator):
     """
 
     def __init__(self, cfg, params, method, num_pages: int, dtype=jnp.float32,
-                 max_prefill_batch: int = 4, detokenizer=None):
+                 max_prefill_batch: int = 4, detokenizer=None,
+                 admit_headroom_tokens: int = 0):
         super().__init__(cfg, params, method, num_pages, dtype)
         self.max_prefill_batch = max_prefill_batch
+        # Pages kept free per running row at admission, so that requests admitted
+        # now can grow for ``admit_headroom_tokens`` before anyone is preempted.
+        self.admit_headroom_tokens = admit_headroom_tokens
+        self._headroom_per_row = (method.pages_for_tokens(admit_headroom_tokens)
+                                  - method.pages_for_tokens(0)) if admit_headroom_tokens else 0
         self.detokenizer = as_detokenizer(detokenizer)
         self._ids = itertools.count()
         self._admissions = itertools.count()
@@ -403,6 +409,7 @@ class Engine(Generator):
         token has had one more token computed, which is dropped.
         """
         t0, c0, k0 = time.perf_counter(), self.compile_seconds, self.call_seconds
+        w0 = self.wait_seconds
         new: dict[int, list[int]] = collections.defaultdict(list)
         unread = len(self._pending)
         prefilled = self._admit()
@@ -413,6 +420,7 @@ class Engine(Generator):
         wall = time.perf_counter() - t0 - (self.compile_seconds - c0)
         calls = self.call_seconds - k0
         self.wait_seconds += wait
+        wait = self.wait_seconds - w0  # preemption's out-of-turn reads included
         self.host_seconds += max(wall - wait - calls, 0.0)
         if prefilled:
             self.prefill_seconds += wall
@@ -489,7 +497,8 @@ class Engine(Generator):
         while self.waiting and free_slots and len(batch) < self.max_prefill_batch:
             req = self.requests[self.waiting[0]]
             need = self.method.pages_for_tokens(len(req.context))
-            if free - need < self._reserve(running + len(batch) + 1):
+            rows = running + len(batch) + 1
+            if free - need < self._reserve(rows) + rows * self._headroom_per_row:
                 break
             self.waiting.popleft()
             req.slot = free_slots.pop(0)
@@ -522,7 +531,7 @@ class Engine(Generator):
         smp = self._sampling_arrays([r.sampling for r in batch], B,
                                     steps=np.asarray([len(r.output) for r in batch]
                                                      + [0] * (B - len(batch)), np.int32))
-        first = self._run("sample", B, self._sample, logits, smp)
+        first = self._run("sample", (B, smp.greedy_only), self._sample, logits, smp)
         self._last = self._run("set_last", B, self._set_last, self._last, pbatch.slots, first)
         for r in batch:
             r.in_flight = 1
@@ -531,7 +540,10 @@ class Engine(Generator):
             self._limit[s] = min(r.sampling.max_new_tokens,
                                  self.method.max_context - len(r.prompt))
             self._plen[s], self._rid[s], self._epoch[s] = len(r.prompt), r.id, r.epoch
-            self._order[s], self._live[s] = r.admitted_at, True
+            # Priority is arrival: the newest arrival is preempted first, and a
+            # preempted request keeps its place (preempting it again would throw
+            # away the recomputation it has just paid for).
+            self._order[s], self._live[s] = r.id, True
         self.prefill_tokens += int(lens.sum())
         need = sum(self.method.pages_for_tokens(len(r.context)) for r in batch)
         self._new_dispatch(self._run("count", None, self._count_free, self.state), need,
@@ -562,8 +574,9 @@ class Engine(Generator):
                         for rid in self.slots]
             self._sampling_static = self._sampling_arrays(sampling, S, steps)
         smp = self._sampling_static.replace(step=jnp.asarray(steps))
-        self.state, tok, free = self._run("decode", width, self.steps.decode_and_sample,
-                                          self.params, self.state, batch, smp)
+        self.state, tok, free = self._run("decode", (width, smp.greedy_only),
+                                          self.steps.decode_and_sample, self.params,
+                                          self.state, batch, smp)
         self._last = tok
         self._gen[rows] += 1
         rec_rows = list(zip(rows.tolist(), self._rid[rows].tolist(), self._epoch[rows].tolist()))
@@ -653,7 +666,10 @@ class Engine(Generator):
     def _read_dispatch(self, d: _Dispatch) -> None:
         """Read one release out of turn (someone asked for a request's bytes)."""
         if not d.read:
-            self._mark_read(d, int(jax.device_get(d.free)))
+            t0 = time.perf_counter()
+            free = int(jax.device_get(d.free))
+            self.wait_seconds += time.perf_counter() - t0
+            self._mark_read(d, free)
             self._pending = [p for p in self._pending if not p.read]
 
     def _read_accounting(self, d: _Dispatch) -> None:

@@ -204,7 +204,8 @@ class Generator:
         t0 = time.perf_counter()
         self.state, logits = self._run("prefill", (B, T), self.steps.prefill,
                                        self.params, self.state, pbatch)
-        first = np.asarray(self._run("sample", B, self._sample, logits, self._pad(smp, B)))[:n]
+        first = np.asarray(self._run("sample", (B, smp.greedy_only), self._sample, logits,
+                                    self._pad(smp, B)))[:n]
         t_prefill = time.perf_counter() - t0 - (self.compile_seconds - c0)
 
         # ---- decode ---------------------------------------------------------------
@@ -224,7 +225,8 @@ class Generator:
             width = self._page_width(int(seq_len[active].max()) + 1)
             batch = DecodeBatch(jnp.asarray(last), jnp.asarray(active), width)
             smp = self._sampling_arrays(sampling, S, steps=step)
-            self.state, new, free = self._run("decode", width, self.steps.decode_and_sample,
+            self.state, new, free = self._run("decode", (width, smp.greedy_only),
+                                              self.steps.decode_and_sample,
                                               self.params, self.state, batch, smp)
             new, self.free_pages = jax.device_get((new, free))
             new = np.asarray(new)
@@ -288,4 +290,5 @@ class Generator:
                               top_p=col("top_p", np.float32, 1.0),
                               top_k=col("top_k", np.int32, 0),
                               seed=col("seed", np.uint32, 0),
-                              step=jnp.asarray(steps.astype(np.int32)))
+                              step=jnp.asarray(steps.astype(np.int32)),
+                              greedy_only=all(s.temperature <= 0 for s in sampling))

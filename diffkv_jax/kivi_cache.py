@@ -247,7 +247,7 @@ class KiviCache(SlotPages):
     def prefill_attention(self, state: KiviState, layer, q, k, v, batch: PrefillBatch):
         # As in KIVI, the prompt attends to itself at full precision; only what is
         # cached for later tokens is quantized.
-        out = attn_ref.causal_attention(q, k, v, batch.lengths)
+        out = attn_ref.prefill_attention(q, k, v, batch.lengths)
         return self._write_prompt(state, layer, k, v, batch), out
 
     def _write_prompt(self, state: KiviState, layer, k, v, batch: PrefillBatch) -> KiviState:

@@ -184,7 +184,7 @@ class FullCache(SlotPages):
         return state, batch
 
     def prefill_attention(self, state: PagedKVState, layer, q, k, v, batch: PrefillBatch):
-        out = attn_ref.causal_attention(q, k, v, batch.lengths)
+        out = attn_ref.prefill_attention(q, k, v, batch.lengths)
         return self._write_prompt(state, layer, k, v, batch), out
 
     def _write_prompt(self, state, layer, k, v, batch: PrefillBatch):

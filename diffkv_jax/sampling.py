@@ -17,7 +17,12 @@ class SamplingArrays:
     """Per-row sampling parameters as device arrays ``[B]``.
 
     ``temperature <= 0`` means greedy; ``top_k <= 0`` disables top-k;
-    ``top_p >= 1`` disables top-p.
+    ``top_p >= 1`` disables top-p. ``greedy_only`` (static, part of the
+    compiled step's signature) promises that every row is greedy, so the step
+    compiles without the vocabulary sort. It is static rather than a run-time
+    branch because an XLA conditional on the GPU reads its predicate back to the
+    host, which stalls the host until the whole forward pass has run and so
+    keeps the next step from being queued behind this one.
     """
 
     temperature: jax.Array
@@ -25,6 +30,7 @@ class SamplingArrays:
     top_k: jax.Array
     seed: jax.Array
     step: jax.Array
+    greedy_only: bool = struct.field(pytree_node=False, default=False)
 
 
 def _filtered_logits(logits: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
@@ -47,13 +53,11 @@ def sample(logits: jax.Array, params: SamplingArrays) -> jax.Array:
     """Sample one token per row of ``logits [B, V]`` (float32). Returns ``[B]`` int32."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def draw(_):
-        temp = jnp.where(params.temperature > 0, params.temperature, 1.0)
-        scaled = _filtered_logits(logits / temp[:, None], params.top_p, params.top_k)
-        keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(
-            params.seed.astype(jnp.uint32), params.step)
-        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-        return jnp.where(params.temperature > 0, drawn, greedy)
-
-    # The vocabulary sort is skipped at run time when every row is greedy.
-    return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda _: greedy, None)
+    if params.greedy_only:
+        return greedy
+    temp = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    scaled = _filtered_logits(logits / temp[:, None], params.top_p, params.top_k)
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.PRNGKey(s), t))(
+        params.seed.astype(jnp.uint32), params.step)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, drawn, greedy)

@@ -21,8 +21,9 @@ from models.config import ModelConfig
 from models.llama import LlamaForCausalLM
 
 
-def _model(cfg: ModelConfig, attention_fn, dtype) -> LlamaForCausalLM:
-    return LlamaForCausalLM(cfg, attention_fn=attention_fn, dtype=dtype, param_dtype=dtype)
+def _model(cfg: ModelConfig, attention_fn, dtype, unroll_layers=None) -> LlamaForCausalLM:
+    return LlamaForCausalLM(cfg, attention_fn=attention_fn, dtype=dtype, param_dtype=dtype,
+                            unroll_layers=unroll_layers)
 
 
 def prefill(method, cfg: ModelConfig, dtype, params, state, batch: PrefillBatch):
@@ -30,7 +31,10 @@ def prefill(method, cfg: ModelConfig, dtype, params, state, batch: PrefillBatch)
     state, ctx = method.begin_prefill(state, batch)
     B, T = batch.tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
-    model = _model(cfg, method.prefill_attention, dtype)
+    # Rolled: a prefill step is long enough that the per-layer loop condition the
+    # GPU reads back costs nothing, and each prompt bucket compiles one layer
+    # instead of all of them (decode, where it matters, is unrolled).
+    model = _model(cfg, method.prefill_attention, dtype, unroll_layers=False)
     hidden, state = model.apply({"params": params}, batch.tokens, positions, state, ctx)
     last = jnp.take_along_axis(hidden, jnp.maximum(batch.lengths - 1, 0)[:, None, None],
                                axis=1)[:, 0]

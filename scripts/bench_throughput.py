@@ -55,7 +55,6 @@ def percentile(xs, q):
 
 
 def run_method(label, name, options, cfg, params, args, prompts):
-    import jax
     import jax.numpy as jnp
 
     from diffkv_jax.engine import Engine
@@ -70,7 +69,8 @@ def run_method(label, name, options, cfg, params, args, prompts):
                          dtype=dtype, **options)
     num_pages = max(1, int(args.kv_budget_gb * 2**30) // method.page_bytes)
     engine = Engine(cfg, params, method, num_pages, dtype=dtype,
-                    max_prefill_batch=args.prefill_batch)
+                    max_prefill_batch=args.prefill_batch,
+                    admit_headroom_tokens=args.admit_headroom)
     sampling = SamplingParams(max_new_tokens=args.output_len, stop_token_ids=())
     submitted = time.perf_counter()
     ids = [engine.add_request(p, sampling) for p in prompts]
@@ -90,7 +90,8 @@ def run_method(label, name, options, cfg, params, args, prompts):
         for rid in new:
             # Seconds since submission, compilation so far excluded.
             first_token.setdefault(rid, t1 - submitted - engine.compile_seconds)
-        if t1 - t_start - engine.compile_seconds > args.time_limit:
+        if (t1 - t_start - engine.compile_seconds > args.time_limit
+                or t1 - t_start > args.wall_limit):
             break
     wall = time.perf_counter() - t_start - engine.compile_seconds
     gen_tokens = sum(len(engine.requests[i].output) for i in ids)
@@ -107,6 +108,12 @@ def run_method(label, name, options, cfg, params, args, prompts):
         mean_batch=sum(b for _, b in batch_trace) / max(1, len(batch_trace)),
         max_batch=max((b for _, b in batch_trace), default=0),
         preemptions=sum(engine.requests[i].preemptions for i in ids),
+        # Prompt tokens prefilled, recomputation after preemption included.
+        prefill_tokens=engine.prefill_tokens,
+        prompt_tokens=sum(len(p) for p in prompts),
+        prefill_steps=len(walls) - len(decode_walls),
+        prefill_share=engine.prefill_seconds / max(sum(walls), 1e-9),
+        executables=engine.num_compiled,
         steps=len(batch_trace), step_ms_p50=percentile(walls, 50) * 1e3,
         step_ms_p90=percentile(walls, 90) * 1e3, step_ms_p99=percentile(walls, 99) * 1e3,
         # Python scheduling and bookkeeping (outside device calls and waits) per
@@ -159,8 +166,12 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=4096)
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--prefill-batch", type=int, default=8)
+    p.add_argument("--admit-headroom", type=int, default=0,
+                   help="tokens of growth per running request kept free at admission")
     p.add_argument("--time-limit", type=float, default=600.0,
                    help="stop a method after this many seconds (compilation excluded)")
+    p.add_argument("--wall-limit", type=float, default=float("inf"),
+                   help="stop a method after this many seconds, compilation included")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/throughput")
     args = p.parse_args()
@@ -192,8 +203,17 @@ def main() -> int:
         results.append(res)
         print(f"{label}: {res['tokens_per_s']:.0f} tok/s, mean batch {res['mean_batch']:.1f}, "
               f"max {res['max_batch']}, {res['finished']} finished, step p50 "
-              f"{res['step_ms_p50']:.1f} ms, host {res['host_share']:.1%} (device calls "
-              f"{res['call_share']:.1%}, waiting {res['wait_share']:.1%})", flush=True)
+              f"{res['step_ms_p50']:.1f} ms (decode-only p50 {res['per_token_ms_p50']:.1f} ms), "
+              f"host {res['host_share']:.1%} (device calls {res['call_share']:.1%}, waiting "
+              f"{res['wait_share']:.1%}); {res['steps']} steps, {res['prefill_steps']} with "
+              f"prefill ({res['prefill_share']:.1%} of the time), prefilled "
+              f"{res['prefill_tokens']} tokens for {res['prompt_tokens']} prompt tokens, "
+              f"{res['preemptions']} preemptions; compile {res['compile_s']:.0f} s for "
+              f"{res['executables']} executables", flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"throughput_{len(results)}.json"), "w") as fh:
+            json.dump(dict(device=jax.devices()[0].device_kind, args=vars(args), result=res),
+                      fh, indent=1)
         del engine
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "throughput.json"), "w") as fh:

@@ -36,13 +36,22 @@ def kernel_times(run, calls: int = 5):
     # Kernel launches live on the stream lines; other lines repeat them (per-op
     # summaries) or hold annotations.
     streams = [ln for ln in gpu_lines if "stream" in ln.name.lower()] or gpu_lines
+    gaps = defaultdict(float)  # idle ns on a stream before a kernel, by that kernel
     for line in streams:
-        for ev in line.events:
+        events = sorted(line.events, key=lambda ev: ev.start_ns)
+        for prev, ev in zip([None] + events[:-1], events):
             total[ev.name] += ev.duration_ns
             count[ev.name] += 1
+            if prev is not None:
+                idle = ev.start_ns - (prev.start_ns + prev.duration_ns)
+                if 0 < idle < 1e6:  # a gap between calls is not a launch gap
+                    gaps[ev.name] += idle
     rows = sorted(((n, t / calls / 1e6, count[n] / calls) for n, t in total.items()),
                   key=lambda r: -r[1])
     kernel_times.last_lines = sorted({ln.name for ln in gpu_lines})
+    kernel_times.launches = sum(count.values()) / calls
+    kernel_times.gaps = sorted(((n, g / calls / 1e6) for n, g in gaps.items()),
+                               key=lambda r: -r[1])
     return rows, sum(r[1] for r in rows), wall * 1e3
 
 
@@ -51,3 +60,9 @@ def print_kernel_times(title: str, rows, busy_ms: float, wall_ms: float, top: in
           f"({len(rows)} distinct)")
     for name, ms, n in rows[:top]:
         print(f"  {ms:8.3f} ms  x{n:<5.0f} {name[:90]}")
+    gaps = getattr(kernel_times, "gaps", [])
+    if gaps:
+        print(f"  {getattr(kernel_times, 'launches', 0):.0f} launches per call; idle "
+              f"{sum(g for _, g in gaps):.2f} ms per call inside calls, most before:")
+        for name, ms in gaps[:top]:
+            print(f"  {ms:8.3f} ms idle before {name[:80]}")

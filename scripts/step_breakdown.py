@@ -83,6 +83,18 @@ def time_steps(fn, params, state, batch, smp, iters):
     return times[len(times) // 2], state
 
 
+def time_pipelined(fn, params, state, batch, smp, iters):
+    """Seconds per step of ``iters`` steps queued back to back (as the engine runs
+    them: the host queues a step while the previous one executes)."""
+    import jax
+
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        state, tok, _ = fn(params, state, batch, smp)
+    jax.block_until_ready(tok)
+    return (time.perf_counter() - t0) / iters, state
+
+
 def breakdown(name, cfg, params, args):
     import jax
     import jax.numpy as jnp
@@ -94,7 +106,7 @@ def breakdown(name, cfg, params, args):
     from diffkv_jax.steps import CompiledSteps
 
     B, C = args.batch, args.context
-    budget = (len(VARIANTS) + 1) * (args.iters + 2) + 8
+    budget = (len(VARIANTS) + 3) * (args.iters + 2) + args.profile + 8
     options = {"attention_impl": args.attention}
     if name == "diffkv":
         options.update(alpha_high=args.alpha_high, alpha_low=args.alpha_low)
@@ -127,12 +139,18 @@ def breakdown(name, cfg, params, args):
     # DiffKV without its kernel is no ablation: zero probabilities change every
     # decision of the policy. Its split comes from the kernel trace (--profile).
     variants = VARIANTS if name == "full" else ("step", "model-only")
+    if args.only_step:
+        variants = ("step",)
     for v in variants:
         vsteps = CompiledSteps(cfg, Ablated(method, v), jnp.bfloat16)
         fn = vsteps.decode_and_sample.lower(params, state, dbatch, smp).compile()
         t, state = time_steps(fn, params, state, dbatch, smp, args.iters)
         row[v] = t * 1e3
         print(f"  {name} {v}: {t * 1e3:.2f} ms", flush=True)
+        if v == "step":
+            t, state = time_pipelined(fn, params, state, dbatch, smp, 2 * args.iters)
+            row["step_pipelined"] = t * 1e3
+            print(f"  {name} step, queued back to back: {t * 1e3:.2f} ms", flush=True)
         if v == "step" and args.profile:
             from scripts.device_profile import kernel_times, print_kernel_times
 
@@ -146,7 +164,9 @@ def breakdown(name, cfg, params, args):
             state = box[0]
             print_kernel_times(f"  {name} step kernels", kt, busy, wall, top=args.top)
             print(f"  (trace lines: {kernel_times.last_lines})")
-            row["profile"] = dict(kernels=kt[:40], busy_ms=busy, wall_ms=wall)
+            row["profile"] = dict(kernels=kt[:40], busy_ms=busy, wall_ms=wall,
+                                  launches=kernel_times.launches,
+                                  idle_before=kernel_times.gaps[:40])
     end = jax.jit(method.end_decode, donate_argnums=(0,))
     jax.block_until_ready(state := end(state, dbatch))
     times = []
@@ -155,7 +175,9 @@ def breakdown(name, cfg, params, args):
         jax.block_until_ready(state := end(state, dbatch))
         times.append(time.perf_counter() - t0)
     row["compaction_ms"] = sorted(times)[len(times) // 2] * 1e3
-    if "no-attention" in row:
+    if "model-only" not in row:  # --only-step: no split
+        row["attention_ms"] = row["write_ms"] = row["model-only"] = float("nan")
+    elif "no-attention" in row:
         row["attention_ms"] = row["step"] - row["no-attention"]
         row["write_ms"] = row["no-attention"] - row["model-only"]
     else:  # attention, policy and writes together
@@ -225,6 +247,8 @@ def main() -> int:
     p.add_argument("--profile", type=int, default=0, help="trace this many real steps and "
                    "list the kernels they spend their time in")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--only-step", action="store_true",
+                   help="time (and trace) the real step only, no ablations")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -249,13 +273,14 @@ def main() -> int:
         print("\nprompt scoring, one layer, "
               + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in scoring.items()))
-    print(f"\n{'method':8s} {'step ms':>8s} {'attention':>10s} {'write':>8s} {'compaction':>11s} "
+    print(f"\n{'method':8s} {'step ms':>8s} {'queued':>7s} {'attention':>10s} {'write':>8s} "
+          f"{'compaction':>11s} "
           f"{'model':>8s} {'KV/16bit':>9s} {'tiers h/l/p':>14s}")
     for r in rows:
         tiers = ("-" if r["frac_high"] is None else
                  f"{r['frac_high']:.0%}/{r['frac_low']:.0%}/{r['frac_pruned']:.0%}")
-        print(f"{r['method']:8s} {r['step']:8.2f} {r['attention_ms']:10.2f} {r['write_ms']:8.2f} "
-              f"{r['compaction_ms']:11.2f} {r['model_ms']:8.2f} {r['kv_ratio']:9.1%} {tiers:>14s}")
+        print(f"{r['method']:8s} {r['step']:8.2f} {r['step_pipelined']:7.2f} "
+              f"{r['attention_ms']:10.2f} {r['write_ms']:8.2f} {r['compaction_ms']:11.2f} {r['model_ms']:8.2f} {r['kv_ratio']:9.1%} {tiers:>14s}")
     return 0
 
 

@@ -65,3 +65,19 @@ def test_generator_second_run_compiles_nothing(smollm):
     assert first.tokens == second.tokens
     # Every page went back to the free list.
     assert int(gen.state.free.num_free) == gen.num_pages
+
+
+def test_greedy_decode_step_has_no_host_branch(tiny_model):
+    """The engine's greedy decode step holds no conditional: on the GPU one reads its
+    predicate back to the host mid-step, so the host could not queue the next step."""
+    cfg, params = tiny_model
+    method = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=2,
+                       max_context=64, page_size=8)
+    steps = CompiledSteps(cfg, method, jnp.float32)
+    state = method.init_state(2 * method.pages_for_tokens(64))
+    smp = Generator._sampling_arrays([SamplingParams(), SamplingParams()], 2,
+                                     steps=np.zeros(2, np.int32))
+    assert smp.greedy_only
+    batch = DecodeBatch(jnp.zeros(2, jnp.int32), jnp.ones(2, bool), 8)
+    text = steps.decode_and_sample.lower(params, state, batch, smp).as_text()
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text

@@ -54,3 +54,15 @@ def test_rows_are_independent_of_batch_company():
     mixed = smp.replace(temperature=jnp.asarray([0.0, 0.9, 0.9, 0.0], jnp.float32))
     out = np.asarray(sample_jit(logits, mixed))
     assert out[0] == int(logits[0].argmax()) and out[3] == int(logits[3].argmax())
+
+
+def test_greedy_only_is_static_and_matches_argmax():
+    logits = jax.random.normal(jax.random.PRNGKey(3), (5, 40)) * 2
+    greedy = arrays(5).replace(greedy_only=True)
+    assert (np.asarray(sample_jit(logits, greedy)) == np.asarray(logits.argmax(-1))).all()
+    # The flag is part of the signature (static), not a run-time branch: neither
+    # compiled variant contains a conditional, which on the GPU would read its
+    # predicate back to the host in the middle of the step.
+    for smp in (greedy, arrays(5, temperature=0.7)):
+        text = jax.jit(sample).lower(logits, smp).as_text()
+        assert "stablehlo.case" not in text and "stablehlo.if" not in text
