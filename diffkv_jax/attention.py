@@ -61,6 +61,33 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arr
     return causal_attention(q, k, v, lengths)
 
 
+def prefix_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array,
+                            lengths: jax.Array) -> jax.Array:
+    """A prompt chunk's attention over everything before it and itself (chunked prefill).
+
+    Args:
+      q: ``[B, T, nq, D]``, the chunk's queries at positions ``q_start + t``.
+      k, v: ``[B, S, nkv, D]``, keys and values of positions ``0 .. S-1`` (the cached
+        prefix and the chunk; positions past ``q_start + lengths`` are ignored).
+      q_start, lengths: ``[B]`` the chunk's first position and its valid tokens.
+    Returns:
+      ``[B, T, nq, D]`` float32; equals :func:`causal_attention` over the whole
+      prompt, restricted to the chunk's rows.
+    """
+    B, T, nq, D = q.shape
+    S = k.shape[1]
+    qg = _group(q.astype(jnp.float32), k.shape[2])
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
+    q_pos = q_start[:, None] + jnp.arange(T)[None]  # [B, T]
+    k_pos = jnp.arange(S)
+    mask = ((k_pos[None, None, :] <= q_pos[:, :, None])
+            & (k_pos[None, None, :] < (q_start + lengths)[:, None, None]))
+    s = jnp.where(mask[:, None, None], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    return out.reshape(B, T, nq, D)
+
+
 def causal_attention_probs(q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
     """Attention probabilities ``[B, nkv, G, Tq, Tk]`` of :func:`causal_attention` (for scoring)."""
     B, T, nq, D = q.shape

@@ -12,13 +12,26 @@ class PrefillBatch:
 
     Attributes:
       tokens: ``[B, T]`` int32, right-padded.
-      lengths: ``[B]`` int32 true prompt lengths (0 for padding rows).
+      lengths: ``[B]`` int32 true prompt lengths (0 for padding rows); in a chunk,
+        the chunk's tokens.
       slots: ``[B]`` int32 cache slot of each row (padding rows use the scratch slot).
+      start: ``[B]`` int32 or None. A chunk of a longer prompt (chunked prefill,
+        only for methods with ``supports_chunked_prefill``): tokens of each row
+        already in the cache; ``tokens`` continue from position ``start``. None:
+        whole prompts.
+      total: ``[B]`` int32 or None (with ``start``): the whole prompt's length; a
+        row's first chunk (``start == 0``) allocates the pages of all of it.
+      num_page_slots: static, with ``start``: pages per row that the first
+        chunks allocate and the chunks' attention reads (a bucket covering the
+        longest ``total``).
     """
 
     tokens: jax.Array
     lengths: jax.Array
     slots: jax.Array
+    start: jax.Array | None = None
+    total: jax.Array | None = None
+    num_page_slots: int = struct.field(pytree_node=False, default=0)
 
 
 @struct.dataclass

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--attention", default="reference", choices=("reference", "pallas"),
                    help="decode attention: plain jnp (default) or the Pallas paged kernel "
                         "(interpret mode without a GPU)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="prefill prompts this many tokens per step (the full and fp8 "
+                        "caches); default: whole prompts")
     p.add_argument("--max-context", type=int, default=None,
                    help="longest sequence to plan for (default: what the prompts need, "
                         "capped by the model's context)")
@@ -176,7 +179,11 @@ def _run(args) -> int:
     # Every sequence at its longest, plus the pages decode steps may add per row.
     num_pages = sum(pages_to_serve(method, len(p) + args.max_new_tokens) for p in prompts)
     # The tokenizer detokenizes for the engine: stop strings, streamed text, Request.text.
-    gen = Engine(cfg, params, method, num_pages=num_pages, dtype=dtype, detokenizer=tok)
+    try:
+        gen = Engine(cfg, params, method, num_pages=num_pages, dtype=dtype, detokenizer=tok,
+                     prefill_chunk=args.prefill_chunk)
+    except ValueError as e:  # e.g. --prefill-chunk with a cache that prefills whole prompts
+        raise GenerationInputError(str(e)) from None
 
     single = len(prompts) == 1
     ids = [gen.add_request(p, s) for p, s in zip(prompts, sampling)]

@@ -196,6 +196,7 @@ class Request:
     # to (a preempted request's in-flight tokens are dropped).
     in_flight: int = 0
     epoch: int = 0
+    prefilled: int = 0  # context tokens in the cache (chunked prefill's progress)
     # Text of ``output`` (None when the engine has no detokenizer); fed every step
     # for requests with stop strings, on demand for the others.
     text_tracker: TextTracker | None = dataclasses.field(default=None, repr=False,
@@ -278,7 +279,13 @@ class Engine(Generator):
 
     Args:
       cfg, params, method, num_pages, dtype: as for :class:`Generator`.
-      max_prefill_batch: prompts prefilled together in one step.
+      max_prefill_batch: prompts (or prompt chunks) prefilled together in one step.
+      admit_headroom_tokens: growth, in tokens per running request, kept free when
+        admitting (fewer preemptions, a smaller batch); 0 admits while pages last.
+      prefill_chunk: prefill long prompts this many tokens per step, between
+        decode steps, so running requests keep generating while a long prompt
+        arrives (methods with ``supports_chunked_prefill``: the uncompressed and
+        FP8 caches). None: whole prompts.
       detokenizer: turns token ids into text, for stop strings, :attr:`Request.text`
         and :meth:`stream_text`: either a callable ``list[int] -> str`` or an object
         with a ``decode(ids)`` method, such as the project's
@@ -291,15 +298,32 @@ class Engine(Generator):
     launch), ``host_seconds`` the rest: Python scheduling and bookkeeping. Host
     time can only delay the device where it is not overlapped, so
     ``host_seconds`` bounds the host overhead from above.
+    ``exposed_host_seconds`` is a tighter bound on the time the device idled
+    for the host: it counts only iterations that found the previous step's
+    results already finished (a read under :attr:`READY_WAIT_S`), the time from
+    that step's queueing (or the host's last real wait, if later) to this
+    step's queueing.
     ``prefill_seconds`` / ``decode_seconds`` split the steps' wall time: a step
     that prefilled counts as prefill, any other as decode.
     """
 
+    #: A results read shorter than this found the results ready (no real wait).
+    READY_WAIT_S = 2e-4
+
     def __init__(self, cfg, params, method, num_pages: int, dtype=jnp.float32,
                  max_prefill_batch: int = 4, detokenizer=None,
-                 admit_headroom_tokens: int = 0):
+                 admit_headroom_tokens: int = 0, prefill_chunk: int | None = None):
         super().__init__(cfg, params, method, num_pages, dtype)
         self.max_prefill_batch = max_prefill_batch
+        if prefill_chunk is not None:
+            if prefill_chunk < 1:
+                raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+            if not getattr(method, "supports_chunked_prefill", False):
+                raise ValueError(f"{type(method).__name__} prefills whole prompts only; "
+                                 "pass prefill_chunk=None")
+        self.prefill_chunk = prefill_chunk
+        self._chunking: list[int] = []  # request ids mid-prefill, oldest first
+        self._pick = jax.jit(lambda x, i: x[i])
         # Pages kept free per running row at admission, so that requests admitted
         # now can grow for ``admit_headroom_tokens`` before anyone is preempted.
         self.admit_headroom_tokens = admit_headroom_tokens
@@ -317,6 +341,8 @@ class Engine(Generator):
         self.prefill_tokens = self.decode_tokens = 0
         self.prefill_seconds = self.decode_seconds = 0.0
         self.wait_seconds = self.host_seconds = 0.0
+        self.exposed_host_seconds = 0.0
+        self._queued_at = self._waited_until = None
         self.peak_memory: dict = {}
         S = method.max_seqs
         # Last sampled token of every slot, kept on the device: a decode step feeds
@@ -415,7 +441,9 @@ class Engine(Generator):
         prefilled = self._admit()
         self._preempt_if_needed()
         self._dispatch_decode()
+        queued = time.perf_counter()
         wait = self._collect([d for d in self._pending[:unread] if not d.read], new)
+        self._expose(queued, wait, time.perf_counter())
         self.steps_run += 1
         wall = time.perf_counter() - t0 - (self.compile_seconds - c0)
         calls = self.call_seconds - k0
@@ -428,6 +456,21 @@ class Engine(Generator):
             self.decode_seconds += wall
         self.last_step = (wall, wait, calls)
         return dict(new)
+
+    def _expose(self, queued: float, wait: float, read_at: float) -> None:
+        """Bound the device's idle time before this step's work (see class docstring).
+
+        The previous step's work was still running when this step's was queued
+        if reading its results took a real wait; then the host delayed nothing.
+        Otherwise the device may have idled from the end of the previous step's
+        work to ``queued``: that work ended no earlier than its own queueing, nor
+        than the host's last wait, if that wait was real.
+        """
+        if self._queued_at is not None and wait < self.READY_WAIT_S:
+            since = max(self._queued_at, self._waited_until or 0.0)
+            self.exposed_host_seconds += max(queued - since, 0.0)
+        self._queued_at = queued
+        self._waited_until = read_at if wait >= self.READY_WAIT_S else None
 
     def run(self) -> Iterator[dict[int, list[int]]]:
         """Step until every request is finished, yielding each step's new tokens."""
@@ -489,16 +532,20 @@ class Engine(Generator):
         return d
 
     def _admit(self) -> bool:
+        """Queue this step's prefill: the next chunk of every prompt mid-prefill, then
+        waiting requests while their pages fit; True if anything was queued."""
         free_slots = [i for i, r in enumerate(self.slots) if r is None]
         running = len(self.slots) - len(free_slots)
-        batch: list[Request] = []
+        rows: list[tuple[Request, int]] = [
+            (self.requests[rid], self.requests[rid].prefilled)
+            for rid in self._chunking[: self.max_prefill_batch]]
         # A lower bound: the step in flight may still allocate (see free_pages).
         free = self.free_pages
-        while self.waiting and free_slots and len(batch) < self.max_prefill_batch:
+        while self.waiting and free_slots and len(rows) < self.max_prefill_batch:
             req = self.requests[self.waiting[0]]
             need = self.method.pages_for_tokens(len(req.context))
-            rows = running + len(batch) + 1
-            if free - need < self._reserve(rows) + rows * self._headroom_per_row:
+            n = running + len(rows) + 1
+            if free - need < self._reserve(n) + n * self._headroom_per_row:
                 break
             self.waiting.popleft()
             req.slot = free_slots.pop(0)
@@ -506,34 +553,71 @@ class Engine(Generator):
             req.admitted_at = next(self._admissions)
             req.epoch += 1
             req.in_flight = 0
+            req.prefilled = 0
             self.slots[req.slot] = req.id
-            batch.append(req)
+            rows.append((req, 0))
             free -= need
-        if batch:
+        if rows:
             self._sampling_static = None
-            self._prefill(batch)
-        return bool(batch)
+            self._prefill(rows)
+        return bool(rows)
 
-    def _prefill(self, batch: list[Request]) -> None:
+    def _prefill(self, rows: list[tuple[Request, int]]) -> None:
+        """Prefill ``(request, start)`` rows: each row's context from ``start``, whole
+        or (with ``prefill_chunk``) its next chunk. Rows whose prompt is complete
+        sample their first token; the others stay in ``_chunking``."""
         S = self.method.max_seqs
-        B = next_pow2(len(batch))
-        T = next_pow2(max(len(r.context) for r in batch), 16)
+        chunk = self.prefill_chunk or max(len(r.context) for r, _ in rows)
+        pieces = [(r, start, min(chunk, len(r.context) - start)) for r, start in rows]
+        chunked = any(start > 0 or n < len(r.context) for r, start, n in pieces)
+        B = next_pow2(len(pieces))
+        T = next_pow2(max(n for _, _, n in pieces), 16)
         toks = np.zeros((B, T), np.int32)
-        lens = np.zeros(B, np.int32)
+        lens, starts, totals = (np.zeros(B, np.int32) for _ in range(3))
         slots = np.full(B, S, np.int32)
-        for i, r in enumerate(batch):
+        for i, (r, start, n) in enumerate(pieces):
             ctx = r.context
-            toks[i, : len(ctx)] = ctx
-            lens[i], slots[i] = len(ctx), r.slot
-        pbatch = PrefillBatch(jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(slots))
-        self.state, logits = self._run("prefill", (B, T), self.steps.prefill, self.params,
-                                       self.state, pbatch)
-        smp = self._sampling_arrays([r.sampling for r in batch], B,
-                                    steps=np.asarray([len(r.output) for r in batch]
-                                                     + [0] * (B - len(batch)), np.int32))
+            toks[i, :n] = ctx[start:start + n]
+            lens[i], starts[i], totals[i], slots[i] = n, start, len(ctx), r.slot
+        if chunked:
+            width = self._page_width(int(totals.max()))
+            pbatch = PrefillBatch(jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(slots),
+                                  jnp.asarray(starts), jnp.asarray(totals), width)
+        else:
+            width = 0
+            pbatch = PrefillBatch(jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(slots))
+        self.state, logits = self._run("prefill", (B, T, width), self.steps.prefill,
+                                       self.params, self.state, pbatch)
+        done = [(i, r) for i, (r, start, n) in enumerate(pieces) if start + n == len(r.context)]
+        for r, start, n in pieces:
+            if start == 0:  # a new admission: no tokens in flight until its prompt is in
+                self._gen[r.slot], self._rid[r.slot] = len(r.output), r.id
+                self._live[r.slot] = False
+            r.prefilled = start + n
+            if r.prefilled < len(r.context) and r.id not in self._chunking:
+                self._chunking.append(r.id)
+            elif r.prefilled == len(r.context) and r.id in self._chunking:
+                self._chunking.remove(r.id)
+        self.prefill_tokens += int(lens.sum())
+        # First chunks allocate their whole prompt's pages (see begin_prefill).
+        need = sum(self.method.pages_for_tokens(len(r.context))
+                   for r, start, _ in pieces if start == 0)
+        if not done:
+            self._new_dispatch(self._run("count", None, self._count_free, self.state), need)
+            return
+        smp = self._sampling_arrays([r.sampling for _, r in done], B,
+                                    steps=np.asarray([len(r.output) for _, r in done]
+                                                     + [0] * (B - len(done)), np.int32))
+        order = np.full(B, S, np.int32)  # row i of `first` belongs to done[i]'s slot
+        picks = np.zeros(B, np.int32)
+        for j, (i, r) in enumerate(done):
+            order[j], picks[j] = r.slot, i
+        if [i for i, _ in done] != list(range(len(done))):
+            logits = self._run("pick", B, self._pick, logits, jnp.asarray(picks))
         first = self._run("sample", (B, smp.greedy_only), self._sample, logits, smp)
-        self._last = self._run("set_last", B, self._set_last, self._last, pbatch.slots, first)
-        for r in batch:
+        self._last = self._run("set_last", B, self._set_last, self._last, jnp.asarray(order),
+                               first)
+        for _, r in done:
             r.in_flight = 1
             s = r.slot
             self._gen[s] = len(r.output) + 1
@@ -544,11 +628,9 @@ class Engine(Generator):
             # preempted request keeps its place (preempting it again would throw
             # away the recomputation it has just paid for).
             self._order[s], self._live[s] = r.id, True
-        self.prefill_tokens += int(lens.sum())
-        need = sum(self.method.pages_for_tokens(len(r.context)) for r in batch)
         self._new_dispatch(self._run("count", None, self._count_free, self.state), need,
                            tokens=first,
-                           rows=[(i, r.id, r.epoch) for i, r in enumerate(batch)])
+                           rows=[(j, r.id, r.epoch) for j, (_, r) in enumerate(done)])
 
     def _preempt_if_needed(self) -> None:
         rows = self._decodable()
@@ -568,12 +650,12 @@ class Engine(Generator):
         active[rows] = True
         steps = np.where(active, self._gen, 0).astype(np.int32)
         width = self._page_width(int((self._plen[rows] + self._gen[rows]).max()))
-        batch = DecodeBatch(self._last, jnp.asarray(active), width)
+        batch = DecodeBatch(self._last, jax.device_put(active), width)
         if self._sampling_static is None:
             sampling = [SamplingParams() if rid is None else self.requests[rid].sampling
                         for rid in self.slots]
             self._sampling_static = self._sampling_arrays(sampling, S, steps)
-        smp = self._sampling_static.replace(step=jnp.asarray(steps))
+        smp = self._sampling_static.replace(step=jax.device_put(steps))
         self.state, tok, free = self._run("decode", (width, smp.greedy_only),
                                           self.steps.decode_and_sample, self.params,
                                           self.state, batch, smp)
@@ -652,6 +734,8 @@ class Engine(Generator):
         self._live[slots] = False
         for s in slots:
             rid = self.slots[s]
+            if rid in self._chunking:
+                self._chunking.remove(rid)
             self.slots[s] = None
             req = self.requests[rid]
             req.in_flight = int(self._gen[s]) - len(req.output)

@@ -115,6 +115,11 @@ class Fp8Cache(FullCache):
         vs = self._scales(self.v_scale, layer)[:, None]
         return encode_fp8(k, ks), encode_fp8(v, vs)
 
+    def _decode_pages(self, layer, k, v):
+        ks = self._scales(self.k_scale, layer)[:, None]
+        vs = self._scales(self.v_scale, layer)[:, None]
+        return k.astype(jnp.float32) * ks, v.astype(jnp.float32) * vs
+
     def _paged_attention(self, layer, q, k_pages, v_pages, page_ids, lengths):
         # softmax(q . (s_k k)) (s_v v) == s_v softmax((s_k q) . k) v per KV head: the
         # scales go on the query and the output instead of on every gathered token.

@@ -166,45 +166,77 @@ class FullCache(SlotPages):
         return state.k_pages.shape[0] - 1
 
     # ---- prefill ----------------------------------------------------------------
+    #: Prompts may be prefilled in chunks (``PrefillBatch.start``).
+    supports_chunked_prefill = True
+
     def begin_prefill(self, state: PagedKVState, batch: PrefillBatch):
-        """Allocate every page the prompts need (plus headroom) in one prefix sum."""
+        """Allocate every page the prompts need (plus headroom) in one prefix sum.
+
+        A chunked batch allocates, for each row's first chunk, the pages of its
+        whole prompt (``batch.total``), and nothing for later chunks: a prompt
+        admitted never waits for pages halfway.
+        """
         B, T = batch.tokens.shape
         L, H = self.num_layers, self.num_kv_heads
-        per_row = jnp.where(batch.lengths > 0, batch.lengths // self.page_size + 1, 0)
+        if batch.start is None:
+            tokens = batch.lengths
+            max_count = min(T // self.page_size + 1, self.row_len)
+        else:
+            tokens = jnp.where(batch.start == 0, batch.total, 0)
+            max_count = min(batch.num_page_slots, self.row_len)
+        per_row = jnp.where(tokens > 0, tokens // self.page_size + 1, 0)
         counts = jnp.broadcast_to(per_row[:, None, None], (B, L, H)).reshape(-1)
-        max_count = min(T // self.page_size + 1, self.row_len)
         free, ids, ok = fl.allocate(state.free, counts, max_count)
         trash = self.trash_page(state)
         ids = jnp.where(ids >= 0, ids, trash).reshape(B, L, H, max_count)
-        table = state.page_table.at[batch.slots, :, :, :max_count].set(ids)
-        num_pages = state.num_pages.at[batch.slots].set(
-            jnp.where(ok, counts.reshape(B, L, H), 0))
+        if batch.start is None:
+            table = state.page_table.at[batch.slots, :, :, :max_count].set(ids)
+            num_pages = state.num_pages.at[batch.slots].set(
+                jnp.where(ok, counts.reshape(B, L, H), 0))
+        else:  # later chunks keep their rows' pages: their writes are dropped
+            first = jnp.where(batch.start == 0, batch.slots, self.max_seqs + 1)
+            table = state.page_table.at[first, :, :, :max_count].set(ids, mode="drop")
+            num_pages = state.num_pages.at[first].set(
+                jnp.where(ok, counts.reshape(B, L, H), 0), mode="drop")
         state = state.replace(free=free, page_table=table, num_pages=num_pages,
                               alloc_failed=state.alloc_failed | ~ok)
         return state, batch
 
     def prefill_attention(self, state: PagedKVState, layer, q, k, v, batch: PrefillBatch):
-        out = attn_ref.prefill_attention(q, k, v, batch.lengths)
-        return self._write_prompt(state, layer, k, v, batch), out
+        state = self._write_prompt(state, layer, k, v, batch)
+        if batch.start is None:
+            return state, attn_ref.prefill_attention(q, k, v, batch.lengths)
+        # A chunk: attend to the row's pages (the prefix and the chunk just written).
+        W = batch.num_page_slots
+        ids = state.page_table[batch.slots, layer][:, :, :W]  # [B, H, W]
+        B, H = ids.shape[:2]
+        gather = lambda pages: (  # noqa: E731  [B, W * page_size, H, D]
+            pages[ids].reshape(B, H, W * self.page_size, -1).transpose(0, 2, 1, 3))
+        keys, values = self._decode_pages(layer, gather(state.k_pages), gather(state.v_pages))
+        out = attn_ref.prefix_causal_attention(q, keys, values, batch.start, batch.lengths)
+        return state, out
 
     def _write_prompt(self, state, layer, k, v, batch: PrefillBatch):
         B, T = batch.tokens.shape
         t = jnp.arange(T)
+        pos = t[None] if batch.start is None else batch.start[:, None] + t[None]  # [1|B, T]
         rows = state.page_table[batch.slots, layer]  # [B, H, R]
-        page = jnp.take_along_axis(rows, jnp.broadcast_to((t // self.page_size)[None, None],
-                                                          (B, rows.shape[1], T)), axis=2)
+        page = jnp.take_along_axis(
+            rows, jnp.broadcast_to((pos // self.page_size)[:, None], (B, rows.shape[1], T)),
+            axis=2)
         # Padding goes past the pool and is dropped: piling every padded token onto
         # one page serializes the scatter on the GPU.
         page = jnp.where(t[None, None, :] < batch.lengths[:, None, None], page,
                          state.k_pages.shape[0])
         page = page.transpose(0, 2, 1)  # [B, T, H]
-        off = jnp.broadcast_to((t % self.page_size)[None, :, None], page.shape)
+        off = jnp.broadcast_to((pos % self.page_size)[:, :, None], page.shape)
         k, v = self._encode(layer, k, v)
         return state.replace(k_pages=scatter_set(state.k_pages, (page, off), k),
                              v_pages=scatter_set(state.v_pages, (page, off), v))
 
     def end_prefill(self, state: PagedKVState, batch: PrefillBatch) -> PagedKVState:
-        lengths = state.lengths.at[batch.slots].set(batch.lengths)
+        held = batch.lengths if batch.start is None else batch.start + batch.lengths
+        lengths = state.lengths.at[batch.slots].set(held)
         return state.replace(lengths=lengths.at[self.max_seqs].set(0))
 
     # ---- decode -----------------------------------------------------------------
@@ -236,6 +268,10 @@ class FullCache(SlotPages):
     # overrides these two and reuses the page management above unchanged.
     def _encode(self, layer, k, v):
         """K and V ``[..., KVH, D]`` of ``layer`` as the pages store them."""
+        return k, v
+
+    def _decode_pages(self, layer, k, v):
+        """Inverse of :meth:`_encode`: gathered page contents ``[..., KVH, D]`` as values."""
         return k, v
 
     def _paged_attention(self, layer, q, k_pages, v_pages, page_ids, lengths):

@@ -31,6 +31,8 @@ def prefill(method, cfg: ModelConfig, dtype, params, state, batch: PrefillBatch)
     state, ctx = method.begin_prefill(state, batch)
     B, T = batch.tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+    if batch.start is not None:  # a chunk continues its prompt
+        positions = positions + batch.start[:, None]
     # Rolled: a prefill step is long enough that the per-layer loop condition the
     # GPU reads back costs nothing, and each prompt bucket compiles one layer
     # instead of all of them (decode, where it matters, is unrolled).

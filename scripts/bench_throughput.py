@@ -68,9 +68,10 @@ def run_method(label, name, options, cfg, params, args, prompts):
     method = make_method(name, cfg, max_seqs=args.max_batch, max_context=max_context,
                          dtype=dtype, **options)
     num_pages = max(1, int(args.kv_budget_gb * 2**30) // method.page_bytes)
+    chunk = args.prefill_chunk if getattr(method, "supports_chunked_prefill", False) else None
     engine = Engine(cfg, params, method, num_pages, dtype=dtype,
                     max_prefill_batch=args.prefill_batch,
-                    admit_headroom_tokens=args.admit_headroom)
+                    admit_headroom_tokens=args.admit_headroom, prefill_chunk=chunk)
     sampling = SamplingParams(max_new_tokens=args.output_len, stop_token_ids=())
     submitted = time.perf_counter()
     ids = [engine.add_request(p, sampling) for p in prompts]
@@ -121,6 +122,8 @@ def run_method(label, name, options, cfg, params, args, prompts):
         host_share=engine.host_seconds / max(sum(walls), 1e-9),
         host_ms_p50=percentile([max(w - d - c, 0.0) for w, d, c in steps], 50) * 1e3,
         call_share=engine.call_seconds / max(sum(walls), 1e-9),
+        # The most the device can have idled waiting for the host (Engine docstring).
+        exposed_host_share=engine.exposed_host_seconds / max(sum(walls), 1e-9),
         wait_share=engine.wait_seconds / max(sum(walls), 1e-9),
         ttft_s_p50=percentile(ttft, 50), ttft_s_p90=percentile(ttft, 90),
         # Wall time of a step that only decoded: the time between a request's tokens.
@@ -166,6 +169,8 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=4096)
     p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--prefill-batch", type=int, default=8)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="prefill prompts in chunks of this many tokens (methods that can)")
     p.add_argument("--admit-headroom", type=int, default=0,
                    help="tokens of growth per running request kept free at admission")
     p.add_argument("--time-limit", type=float, default=600.0,
@@ -205,7 +210,8 @@ def main() -> int:
               f"max {res['max_batch']}, {res['finished']} finished, step p50 "
               f"{res['step_ms_p50']:.1f} ms (decode-only p50 {res['per_token_ms_p50']:.1f} ms), "
               f"host {res['host_share']:.1%} (device calls {res['call_share']:.1%}, waiting "
-              f"{res['wait_share']:.1%}); {res['steps']} steps, {res['prefill_steps']} with "
+              f"{res['wait_share']:.1%}, device idle for the host at most "
+              f"{res['exposed_host_share']:.1%}); {res['steps']} steps, {res['prefill_steps']} with "
               f"prefill ({res['prefill_share']:.1%} of the time), prefilled "
               f"{res['prefill_tokens']} tokens for {res['prompt_tokens']} prompt tokens, "
               f"{res['preemptions']} preemptions; compile {res['compile_s']:.0f} s for "

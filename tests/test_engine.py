@@ -6,6 +6,7 @@ import pytest
 from diffkv_jax.engine import Engine
 from diffkv_jax.generation import GenerationInputError, SamplingParams
 from diffkv_jax.methods import make_method
+from diffkv_jax.paged_cache import FullCache
 
 
 def make_engine(cfg, params, kind="full", max_seqs=4, max_context=96, pages=None, **opts):
@@ -127,3 +128,23 @@ def test_stress_diffkv_requests_never_preempted_match_alone(tiny_model):
     ref = alone(cfg, params, [r.prompt for r in check], [r.sampling for r in check], **kw)
     assert [r.output for r in check] == ref
     assert eng.num_compiled <= 24
+
+
+def test_exposed_host_time_counts_only_steps_that_found_results_ready(tiny_model):
+    """The device-idle bound: an iteration whose read really waited (the previous
+    step was still running when this one was queued) adds nothing; one that found
+    results ready adds the time since the previous queueing, or since the host's
+    last real wait if that came later."""
+    cfg, params = tiny_model
+    method = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=2,
+                       max_context=64, page_size=8)
+    eng = Engine(cfg, params, method, num_pages=2 * method.pages_for_tokens(64))
+    ready, waited = 0.0, 10 * Engine.READY_WAIT_S
+    eng._expose(1.0, ready, 1.1)          # first step: nothing before it
+    assert eng.exposed_host_seconds == 0.0
+    eng._expose(1.5, ready, 1.6)          # previous queued at 1.0, results ready
+    assert abs(eng.exposed_host_seconds - 0.5) < 1e-12
+    eng._expose(2.0, waited, 2.4)         # device still busy: nothing exposed
+    assert abs(eng.exposed_host_seconds - 0.5) < 1e-12
+    eng._expose(2.7, ready, 2.8)          # since the real wait ended at 2.4
+    assert abs(eng.exposed_host_seconds - 0.8) < 1e-12

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks and the benchmarks behind docs/benchmarks.md, in stages that
+# each fit a 10-minute command on one H200:
+#
+#   bash scripts/h200_figures.sh tests        # GPU-only tests (kernels, policy, prefill)
+#   bash scripts/h200_figures.sh breakdown    # per-step split, batch 64 x 4,096 tokens
+#   bash scripts/h200_figures.sh diffkv       # serving throughput, DiffKV
+#   bash scripts/h200_figures.sh full         # serving throughput, uncompressed bf16
+#   bash scripts/h200_figures.sh attention    # the decode-attention grid
+#
+# Results go to $OUT (default results/h200). Compiled executables are cached in
+# $JAX_COMPILATION_CACHE_DIR (default /tmp/diffkv-jax-xla), so a stage run again
+# on the same machine skips most compilation. The two throughput stages use the
+# same seed, requests and memory budget, so their figures compare.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-results/h200}
+mkdir -p "$OUT"
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/diffkv-jax-xla}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-2}
+THROUGHPUT="--model llama3-8b --kv-budget-gb 6 --num-requests 256 --output-len 4096
+            --max-batch 128 --time-limit 300 --wall-limit 500"
+
+case "${1:-}" in
+  tests)
+    python -m pytest -q -m gpu tests/ ;;
+  breakdown)
+    python scripts/step_breakdown.py --model llama3-8b --methods full,diffkv --batch 64 \
+      --context 4096 --iters 5 --profile 3 --top 20 --json "$OUT/step_breakdown.json" ;;
+  diffkv|full)
+    # shellcheck disable=SC2086
+    python scripts/bench_throughput.py $THROUGHPUT --methods "$1" --out "$OUT/throughput_$1" ;;
+  attention)
+    python scripts/bench_attention.py --json "$OUT/bench_attention.json" ;;
+  *)
+    echo "usage: $0 tests|breakdown|diffkv|full|attention" >&2
+    exit 2 ;;
+esac
