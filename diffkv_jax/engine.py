@@ -649,7 +649,7 @@ class Engine(Generator):
         active = np.zeros(S, bool)
         active[rows] = True
         steps = np.where(active, self._gen, 0).astype(np.int32)
-        width = self._page_width(int((self._plen[rows] + self._gen[rows]).max()))
+        width = self._decode_width(int((self._plen[rows] + self._gen[rows]).max()))
         batch = DecodeBatch(self._last, jax.device_put(active), width)
         if self._sampling_static is None:
             sampling = [SamplingParams() if rid is None else self.requests[rid].sampling

@@ -88,6 +88,24 @@ class GenerationResult:
         return self.decode_tokens / max(self.decode_seconds, 1e-9)
 
 
+def page_width(method, tokens: int) -> int:
+    """Page-table columns covering ``tokens`` per row, in power-of-two buckets."""
+    return min(next_pow2(tokens // method.page_size + 1), method.row_len)
+
+
+def decode_width(method, tokens: int) -> int:
+    """Page-table columns a decode step passes its attention (a shape bucket).
+
+    The Pallas kernels walk each row's actual pages (the width only caps them),
+    so one bucket, the whole row, serves every length and a server compiles its
+    decode step once per sampling mode; the plain-jnp reference gathers every
+    column it is given, so it gets the power-of-two buckets of :func:`page_width`.
+    """
+    if getattr(method, "attention_impl", "reference") == "pallas":
+        return method.row_len
+    return page_width(method, tokens)
+
+
 def next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << (max(int(n), 1) - 1).bit_length())
 
@@ -222,7 +240,7 @@ class Generator:
         step = np.zeros(S, np.int32)
         step[:n] = 1
         while active.any():
-            width = self._page_width(int(seq_len[active].max()) + 1)
+            width = self._decode_width(int(seq_len[active].max()) + 1)
             batch = DecodeBatch(jnp.asarray(last), jnp.asarray(active), width)
             smp = self._sampling_arrays(sampling, S, steps=step)
             self.state, new, free = self._run("decode", (width, smp.greedy_only),
@@ -266,8 +284,10 @@ class Generator:
             active[i] = True
 
     def _page_width(self, tokens: int) -> int:
-        pages = tokens // self.method.page_size + 1
-        return min(next_pow2(pages), self.method.row_len)
+        return page_width(self.method, tokens)
+
+    def _decode_width(self, tokens: int) -> int:
+        return decode_width(self.method, tokens)
 
     @staticmethod
     def _pad(smp: SamplingArrays, n: int) -> SamplingArrays:

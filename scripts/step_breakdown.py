@@ -103,7 +103,7 @@ def breakdown(name, cfg, params, args):
     import numpy as np
 
     from diffkv_jax.batch import DecodeBatch, PrefillBatch
-    from diffkv_jax.generation import Generator
+    from diffkv_jax.generation import Generator, decode_width
     from diffkv_jax.methods import make_method
     from diffkv_jax.steps import CompiledSteps
 
@@ -130,7 +130,7 @@ def breakdown(name, cfg, params, args):
     jax.block_until_ready(logits)
     prefill_s = time.perf_counter() - t0
     stats = method.memory_stats(state)
-    width = Generator._page_width(type("G", (), {"method": method})(), C + budget)
+    width = decode_width(method, C + budget)  # the engine's decode bucket
     dbatch = DecodeBatch(jnp.asarray(rng.integers(0, cfg.vocab_size, size=B), jnp.int32),
                          jnp.ones((B,), bool), width)
     smp = Generator._sampling_arrays([], B, steps=np.zeros(B, np.int32))

@@ -9,7 +9,7 @@ import pytest
 from diffkv_jax import attention as attn
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.engine import Engine
-from diffkv_jax.generation import Generator, SamplingParams
+from diffkv_jax.generation import SamplingParams, page_width
 from diffkv_jax.methods import make_method
 from diffkv_jax.paged_cache import FullCache
 from diffkv_jax.steps import CompiledSteps
@@ -72,7 +72,7 @@ def test_chunks_leave_the_cache_and_logits_of_a_whole_prefill(tiny_model, which)
             piece = prompts[i][start:start + 16]
             ct[j, :len(piece)], cl[j], st[j], tot[j], slots[j] = piece, len(piece), start, \
                 len(prompts[i]), i
-        width = Generator._page_width(type("G", (), {"method": method})(), 37)
+        width = page_width(method, 37)
         chunked, out = steps.prefill(params, chunked, PrefillBatch(
             jnp.asarray(ct), jnp.asarray(cl), jnp.asarray(slots), jnp.asarray(st),
             jnp.asarray(tot), width))

@@ -81,3 +81,21 @@ def test_greedy_decode_step_has_no_host_branch(tiny_model):
     batch = DecodeBatch(jnp.zeros(2, jnp.int32), jnp.ones(2, bool), 8)
     text = steps.decode_and_sample.lower(params, state, batch, smp).as_text()
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
+def test_kernel_decode_compiles_one_width_bucket(tiny_model):
+    """The Pallas path walks each row's real pages, so every length shares one decode
+    bucket (the whole row); the reference gathers what it is given, so its buckets
+    grow in powers of two with the longest row."""
+    from diffkv_jax.generation import decode_width
+    from diffkv_jax.methods import make_method
+
+    cfg, _ = tiny_model
+    for name in ("full", "diffkv"):
+        ref = make_method(name, cfg, max_seqs=2, max_context=512, dtype=jnp.float32)
+        ker = make_method(name, cfg, max_seqs=2, max_context=512, dtype=jnp.float32,
+                          attention_impl="pallas")
+        assert {decode_width(ker, n) for n in (1, 40, 300, 511)} == {ker.row_len}
+        widths = [decode_width(ref, n) for n in (1, 40, 300)]
+        assert widths == sorted(widths) and len(set(widths)) == 3
+        assert all(w & (w - 1) == 0 or w == ref.row_len for w in widths)
