@@ -244,6 +244,11 @@ class Request:
         """Tokens the cache must hold before the next one is generated."""
         return self.prompt + self.output
 
+    @property
+    def context_len(self) -> int:
+        """``len(context)`` without building the list (read for every token)."""
+        return len(self.prompt) + len(self.output)
+
 
 
 @dataclasses.dataclass
@@ -543,7 +548,7 @@ class Engine(Generator):
         free = self.free_pages
         while self.waiting and free_slots and len(rows) < self.max_prefill_batch:
             req = self.requests[self.waiting[0]]
-            need = self.method.pages_for_tokens(len(req.context))
+            need = self.method.pages_for_tokens(req.context_len)
             n = running + len(rows) + 1
             if free - need < self._reserve(n) + n * self._headroom_per_row:
                 break
@@ -567,9 +572,9 @@ class Engine(Generator):
         or (with ``prefill_chunk``) its next chunk. Rows whose prompt is complete
         sample their first token; the others stay in ``_chunking``."""
         S = self.method.max_seqs
-        chunk = self.prefill_chunk or max(len(r.context) for r, _ in rows)
-        pieces = [(r, start, min(chunk, len(r.context) - start)) for r, start in rows]
-        chunked = any(start > 0 or n < len(r.context) for r, start, n in pieces)
+        chunk = self.prefill_chunk or max(r.context_len for r, _ in rows)
+        pieces = [(r, start, min(chunk, r.context_len - start)) for r, start in rows]
+        chunked = any(start > 0 or n < r.context_len for r, start, n in pieces)
         B = next_pow2(len(pieces))
         T = next_pow2(max(n for _, _, n in pieces), 16)
         toks = np.zeros((B, T), np.int32)
@@ -588,19 +593,19 @@ class Engine(Generator):
             pbatch = PrefillBatch(jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(slots))
         self.state, logits = self._run("prefill", (B, T, width), self.steps.prefill,
                                        self.params, self.state, pbatch)
-        done = [(i, r) for i, (r, start, n) in enumerate(pieces) if start + n == len(r.context)]
+        done = [(i, r) for i, (r, start, n) in enumerate(pieces) if start + n == r.context_len]
         for r, start, n in pieces:
             if start == 0:  # a new admission: no tokens in flight until its prompt is in
                 self._gen[r.slot], self._rid[r.slot] = len(r.output), r.id
                 self._live[r.slot] = False
             r.prefilled = start + n
-            if r.prefilled < len(r.context) and r.id not in self._chunking:
+            if r.prefilled < r.context_len and r.id not in self._chunking:
                 self._chunking.append(r.id)
-            elif r.prefilled == len(r.context) and r.id in self._chunking:
+            elif r.prefilled == r.context_len and r.id in self._chunking:
                 self._chunking.remove(r.id)
         self.prefill_tokens += int(lens.sum())
         # First chunks allocate their whole prompt's pages (see begin_prefill).
-        need = sum(self.method.pages_for_tokens(len(r.context))
+        need = sum(self.method.pages_for_tokens(r.context_len)
                    for r, start, _ in pieces if start == 0)
         if not done:
             self._new_dispatch(self._run("count", None, self._count_free, self.state), need)
@@ -650,12 +655,12 @@ class Engine(Generator):
         active[rows] = True
         steps = np.where(active, self._gen, 0).astype(np.int32)
         width = self._decode_width(int((self._plen[rows] + self._gen[rows]).max()))
-        batch = DecodeBatch(self._last, jax.device_put(active), width)
+        batch = DecodeBatch(self._last, jnp.asarray(active), width)
         if self._sampling_static is None:
             sampling = [SamplingParams() if rid is None else self.requests[rid].sampling
                         for rid in self.slots]
             self._sampling_static = self._sampling_arrays(sampling, S, steps)
-        smp = self._sampling_static.replace(step=jax.device_put(steps))
+        smp = self._sampling_static.replace(step=jnp.asarray(steps))
         self.state, tok, free = self._run("decode", (width, smp.greedy_only),
                                           self.steps.decode_and_sample, self.params,
                                           self.state, batch, smp)
@@ -705,7 +710,7 @@ class Engine(Generator):
             r.finish_reason = "stop"
         elif len(r.output) >= r.sampling.max_new_tokens:
             r.finish_reason = "length"
-        elif len(r.context) >= self.method.max_context:
+        elif r.context_len >= self.method.max_context:
             r.finish_reason = "context"
         else:
             return False
