@@ -9,11 +9,12 @@ from diffkv_jax.methods import make_method
 from diffkv_jax.paged_cache import FullCache
 
 
-def make_engine(cfg, params, kind="full", max_seqs=4, max_context=96, pages=None, **opts):
+def make_engine(cfg, params, kind="full", max_seqs=4, max_context=96, pages=None,
+                prefill_chunk=None, **opts):
     method = make_method(kind, cfg, max_seqs=max_seqs, max_context=max_context,
                          page_size=4 if kind == "full" else 8, **opts)
     pages = pages or max_seqs * method.pages_for_tokens(max_context)
-    return Engine(cfg, params, method, num_pages=pages)
+    return Engine(cfg, params, method, num_pages=pages, prefill_chunk=prefill_chunk)
 
 
 def alone(cfg, params, prompts, sampling, **kw):
@@ -64,14 +65,17 @@ def test_continuous_batching_matches_alone(tiny_model):
     assert eng.free_pages == eng.num_pages  # nothing leaked
 
 
-def test_stress_preemption_cancellation_and_leaks(tiny_model):
-    """300 requests arriving over time on a pool far too small to hold them all."""
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prompts", "chunks-of-8"])
+def test_stress_preemption_cancellation_and_leaks(tiny_model, chunk):
+    """300 requests arriving over time on a pool far too small to hold them all
+    (with chunked prefill: recomputed contexts and long prompts come in pieces,
+    and cancellations can hit a request mid-prefill)."""
     cfg, params = tiny_model
     rng = np.random.default_rng(1)
     prompts, sampling = workload(cfg, 300, rng, max_prompt=40, max_new=16)
     probe = make_engine(cfg, params)
     small = probe.method.pages_for_tokens(56) * 2 + probe._reserve(4)
-    eng = make_engine(cfg, params, pages=small)
+    eng = make_engine(cfg, params, pages=small, prefill_chunk=chunk)
     reqs = serve_arrivals(eng, prompts, sampling, rng)
     # Uncompressed cache: recomputation reproduces the cache exactly, so every
     # finished request, preempted or not, matches serving it alone.
@@ -79,7 +83,10 @@ def test_stress_preemption_cancellation_and_leaks(tiny_model):
         [r for r in reqs if r.preemptions and r.status == "finished"][:20]
     ref = alone(cfg, params, [r.prompt for r in check], [r.sampling for r in check])
     assert [r.output for r in check] == ref
-    assert eng.num_compiled <= 24  # buckets only: no per-step recompilation
+    # Buckets only, no per-step recompilation (chunks add page-width buckets).
+    assert eng.num_compiled <= (24 if chunk is None else 32)
+    if chunk:  # prompts really came in pieces (chunked batches carry a page width)
+        assert any(name == "prefill" and key[2] > 0 for name, key in eng._executables)
 
 
 def test_diffkv_engine_serves_and_returns_every_page(tiny_model):
