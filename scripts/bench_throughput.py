@@ -15,8 +15,11 @@ Per method it reports generated tokens/s (decode and overall, compilation
 excluded), finished requests/s, the running batch over time (achieved batch),
 time to first token and per-token latency percentiles, the host share of the
 step (engine wall time outside the jitted decode call), and the cache's tier
-mix and bytes at its peak. A compact table is printed last; JSON and plots go
-to ``--out``.
+mix and bytes at its peak. With ``--profile-steps N``, N steps are traced once
+``--profile-at`` seconds have run and their device time is split by kind of
+kernel (attention, policy, matmuls, cache writes, other); those steps and
+their time are left out of the throughput and latency figures. A compact
+table is printed last; JSON and plots go to ``--out``.
 """
 
 import argparse
@@ -78,7 +81,14 @@ def run_method(label, name, options, cfg, params, args, prompts):
     first_token = {}
     batch_trace, steps, decode_walls = [], [], []
     t_start = time.perf_counter()
+    profile, profile_s = None, 0.0
     while engine.has_unfinished():
+        if (args.profile_steps and profile is None
+                and time.perf_counter() - t_start - engine.compile_seconds - profile_s
+                > args.profile_at):
+            profile, spent = profile_steps(engine, args.profile_steps)
+            profile_s += spent
+            continue
         pre0 = engine.prefill_seconds
         new = engine.step()
         t1 = time.perf_counter()
@@ -91,10 +101,10 @@ def run_method(label, name, options, cfg, params, args, prompts):
         for rid in new:
             # Seconds since submission, compilation so far excluded.
             first_token.setdefault(rid, t1 - submitted - engine.compile_seconds)
-        if (t1 - t_start - engine.compile_seconds > args.time_limit
+        if (t1 - t_start - engine.compile_seconds - profile_s > args.time_limit
                 or t1 - t_start > args.wall_limit):
             break
-    wall = time.perf_counter() - t_start - engine.compile_seconds
+    wall = time.perf_counter() - t_start - engine.compile_seconds - profile_s
     gen_tokens = sum(len(engine.requests[i].output) for i in ids)
     done = [i for i in ids if engine.requests[i].status == "finished"]
     walls = [w for w, _, _ in steps]
@@ -130,9 +140,33 @@ def run_method(label, name, options, cfg, params, args, prompts):
         per_token_ms_p50=percentile(decode_walls, 50) * 1e3,
         per_token_ms_p90=percentile(decode_walls, 90) * 1e3,
         batch_trace=batch_trace,
+        step_profile=profile,
         memory={k: (float(v) if isinstance(v, (int, float)) else v) for k, v in stats.items()
                 if isinstance(v, (int, float, str))},
     ), engine
+
+
+def profile_steps(engine, n):
+    """Trace ``n`` engine steps (each waited for) and split their device time by kind
+    of kernel (``scripts/device_profile.py``). Returns (profile, seconds spent);
+    the caller leaves those seconds out of the throughput."""
+    import jax
+
+    from scripts.device_profile import kernel_times, step_parts
+
+    t0 = time.perf_counter()
+    c0 = engine.compile_seconds
+    running = sum(s is not None for s in engine.slots)
+
+    def run():
+        engine.step()
+        jax.block_until_ready(engine.state)
+
+    rows, busy, wall = kernel_times(run, n)
+    spent = time.perf_counter() - t0 - (engine.compile_seconds - c0)
+    return dict(steps=n, running=running, wall_ms=wall, busy_ms=busy,
+                launches=kernel_times.launches, parts_ms=step_parts(rows),
+                kernels=rows[:25]), spent
 
 
 def plots(results, out):
@@ -177,6 +211,11 @@ def main() -> int:
                    help="stop a method after this many seconds (compilation excluded)")
     p.add_argument("--wall-limit", type=float, default=float("inf"),
                    help="stop a method after this many seconds, compilation included")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="trace this many steps once --profile-at seconds have run and "
+                        "split their device time: attention, policy, matmuls, cache "
+                        "writes, other (left out of the throughput)")
+    p.add_argument("--profile-at", type=float, default=60.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results/throughput")
     args = p.parse_args()
@@ -216,6 +255,13 @@ def main() -> int:
               f"{res['prefill_tokens']} tokens for {res['prompt_tokens']} prompt tokens, "
               f"{res['preemptions']} preemptions; compile {res['compile_s']:.0f} s for "
               f"{res['executables']} executables", flush=True)
+        if res["step_profile"]:
+            prof = res["step_profile"]
+            parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(prof["parts_ms"].items(),
+                                                              key=lambda kv: -kv[1]))
+            print(f"  {prof['steps']} traced steps at {prof['running']} running: wall "
+                  f"{prof['wall_ms']:.2f} ms, kernels {prof['busy_ms']:.2f} ms ({parts}); "
+                  f"{prof['launches']:.0f} launches", flush=True)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"throughput_{len(results)}.json"), "w") as fh:
             json.dump(dict(device=jax.devices()[0].device_kind, args=vars(args), result=res),

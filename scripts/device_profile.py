@@ -66,3 +66,23 @@ def print_kernel_times(title: str, rows, busy_ms: float, wall_ms: float, top: in
               f"{sum(g for _, g in gaps):.2f} ms per call inside calls, most before:")
         for name, ms in gaps[:top]:
             print(f"  {ms:8.3f} ms idle before {name[:80]}")
+
+
+#: Kernel-name fragments -> step part, first match wins. XLA names its fusions by
+#: their root operation, so the split is by kind of work, not by source line:
+#: "matmuls" are the projections, MLP and logits; "cache writes" the scatters
+#: (page writes, and DiffKV's demotions and side-array updates); "other" holds
+#: norms, RoPE, sampling and the page allocation (compaction).
+PARTS = (("paged_decode", "attention kernel"), ("policy_scores", "policy kernel"),
+         ("gemm", "matmuls"), ("cublas", "matmuls"), ("dot", "matmuls"),
+         ("scatter", "cache writes"), ("memcpy", "copies"))
+
+
+def step_parts(rows) -> dict[str, float]:
+    """``kernel_times`` rows summed into :data:`PARTS` (ms per call)."""
+    out: dict[str, float] = defaultdict(float)
+    for name, ms, _ in rows:
+        low = name.lower()
+        part = next((p for frag, p in PARTS if frag in low), "other")
+        out[part] += ms
+    return dict(out)
