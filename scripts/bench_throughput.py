@@ -81,13 +81,15 @@ def run_method(label, name, options, cfg, params, args, prompts):
     first_token = {}
     batch_trace, steps, decode_walls = [], [], []
     t_start = time.perf_counter()
-    profile, profile_s = None, 0.0
+    profile, profile_s, profile_tokens = None, 0.0, 0
     while engine.has_unfinished():
         if (args.profile_steps and profile is None
                 and time.perf_counter() - t_start - engine.compile_seconds - profile_s
                 > args.profile_at):
+            before = sum(len(engine.requests[i].output) for i in ids)
             profile, spent = profile_steps(engine, args.profile_steps)
             profile_s += spent
+            profile_tokens = sum(len(engine.requests[i].output) for i in ids) - before
             continue
         pre0 = engine.prefill_seconds
         new = engine.step()
@@ -105,7 +107,7 @@ def run_method(label, name, options, cfg, params, args, prompts):
                 or t1 - t_start > args.wall_limit):
             break
     wall = time.perf_counter() - t_start - engine.compile_seconds - profile_s
-    gen_tokens = sum(len(engine.requests[i].output) for i in ids)
+    gen_tokens = sum(len(engine.requests[i].output) for i in ids) - profile_tokens
     done = [i for i in ids if engine.requests[i].status == "finished"]
     walls = [w for w, _, _ in steps]
     stats = engine.peak_memory or method.memory_stats(engine.state)
