@@ -18,6 +18,28 @@ def _group(q: jax.Array, num_kv_heads: int) -> jax.Array:
     return q.reshape(*lead, num_kv_heads, nq // num_kv_heads, d)
 
 
+def _chunk_probs(q: jax.Array, k: jax.Array, q_start: jax.Array | None,
+                 lengths: jax.Array) -> jax.Array:
+    """Softmax ``[B, nkv, G, T, S]`` of queries at positions ``q_start + t`` over keys at
+    ``0 .. S-1``: causal, and keys past ``q_start + lengths`` masked (``q_start`` None: 0)."""
+    _, T, _, D = q.shape
+    qg = _group(q.astype(jnp.float32), k.shape[2])  # [B,T,KVH,G,D]
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
+    start = jnp.zeros_like(lengths) if q_start is None else q_start
+    q_pos = start[:, None] + jnp.arange(T)[None]  # [B, T]
+    k_pos = jnp.arange(k.shape[1])
+    mask = ((k_pos[None, None, :] <= q_pos[:, :, None])
+            & (k_pos[None, None, :] < (start + lengths)[:, None, None]))
+    return jax.nn.softmax(jnp.where(mask[:, None, None], s, _NEG), axis=-1)
+
+
+def _attend(p: jax.Array, v: jax.Array) -> jax.Array:
+    """``p [B, nkv, G, T, S]`` applied to ``v [B, S, nkv, D]``: ``[B, T, nq, D]`` float32."""
+    B, K, G, T, _ = p.shape
+    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+    return out.reshape(B, T, K * G, v.shape[-1])
+
+
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
     """Causal GQA self-attention over a padded prompt chunk.
 
@@ -27,15 +49,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     Returns:
       ``[B, T, nq, D]`` float32 (rows of padding positions are finite garbage).
     """
-    B, T, nq, D = q.shape
-    qg = _group(q.astype(jnp.float32), k.shape[2])  # [B,T,KVH,G,D]
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
-    t = jnp.arange(T)
-    mask = (t[None, :] <= t[:, None])[None] & (t[None, None, :] < lengths[:, None, None])
-    s = jnp.where(mask[:, None, None], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
-    return out.reshape(B, T, nq, D)
+    return _attend(_chunk_probs(q, k, None, lengths), v)
 
 
 def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -74,29 +88,12 @@ def prefix_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_start: j
       ``[B, T, nq, D]`` float32; equals :func:`causal_attention` over the whole
       prompt, restricted to the chunk's rows.
     """
-    B, T, nq, D = q.shape
-    S = k.shape[1]
-    qg = _group(q.astype(jnp.float32), k.shape[2])
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
-    q_pos = q_start[:, None] + jnp.arange(T)[None]  # [B, T]
-    k_pos = jnp.arange(S)
-    mask = ((k_pos[None, None, :] <= q_pos[:, :, None])
-            & (k_pos[None, None, :] < (q_start + lengths)[:, None, None]))
-    s = jnp.where(mask[:, None, None], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
-    return out.reshape(B, T, nq, D)
+    return _attend(_chunk_probs(q, k, q_start, lengths), v)
 
 
 def causal_attention_probs(q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:
     """Attention probabilities ``[B, nkv, G, Tq, Tk]`` of :func:`causal_attention` (for scoring)."""
-    B, T, nq, D = q.shape
-    qg = _group(q.astype(jnp.float32), k.shape[2])
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(D))
-    t = jnp.arange(T)
-    mask = (t[None, :] <= t[:, None])[None] & (t[None, None, :] < lengths[:, None, None])
-    s = jnp.where(mask[:, None, None], s, _NEG)
-    return jax.nn.softmax(s, axis=-1)
+    return _chunk_probs(q, k, None, lengths)
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

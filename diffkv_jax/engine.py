@@ -47,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
-from diffkv_jax.generation import GenerationInputError, Generator, SamplingParams, next_pow2
+from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams, decode_width,
+                                   next_pow2, page_width)
 
 
 Detokenizer = Callable[[list[int]], str]
@@ -190,7 +191,6 @@ class Request:
     finish_reason: str | None = None
     slot: int | None = None
     preemptions: int = 0
-    admitted_at: int = -1  # admissions so far when this request was last admitted
     # Tokens sampled by steps whose results the host had not read yet when it last
     # read results (or when the request left its slot); the admission they belong
     # to (a preempted request's in-flight tokens are dropped).
@@ -336,7 +336,6 @@ class Engine(Generator):
                                   - method.pages_for_tokens(0)) if admit_headroom_tokens else 0
         self.detokenizer = as_detokenizer(detokenizer)
         self._ids = itertools.count()
-        self._admissions = itertools.count()
         self._orders = itertools.count()
         self.requests: dict[int, Request] = {}
         self.waiting: collections.deque[int] = collections.deque()
@@ -555,7 +554,6 @@ class Engine(Generator):
             self.waiting.popleft()
             req.slot = free_slots.pop(0)
             req.status = "running"
-            req.admitted_at = next(self._admissions)
             req.epoch += 1
             req.in_flight = 0
             req.prefilled = 0
@@ -585,7 +583,7 @@ class Engine(Generator):
             toks[i, :n] = ctx[start:start + n]
             lens[i], starts[i], totals[i], slots[i] = n, start, len(ctx), r.slot
         if chunked:
-            width = self._page_width(int(totals.max()))
+            width = page_width(self.method, int(totals.max()))
             pbatch = PrefillBatch(jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(slots),
                                   jnp.asarray(starts), jnp.asarray(totals), width)
         else:
@@ -654,7 +652,7 @@ class Engine(Generator):
         active = np.zeros(S, bool)
         active[rows] = True
         steps = np.where(active, self._gen, 0).astype(np.int32)
-        width = self._decode_width(int((self._plen[rows] + self._gen[rows]).max()))
+        width = decode_width(self.method, int((self._plen[rows] + self._gen[rows]).max()))
         batch = DecodeBatch(self._last, jnp.asarray(active), width)
         if self._sampling_static is None:
             sampling = [SamplingParams() if rid is None else self.requests[rid].sampling

@@ -240,7 +240,7 @@ class Generator:
         step = np.zeros(S, np.int32)
         step[:n] = 1
         while active.any():
-            width = self._decode_width(int(seq_len[active].max()) + 1)
+            width = decode_width(self.method, int(seq_len[active].max()) + 1)
             batch = DecodeBatch(jnp.asarray(last), jnp.asarray(active), width)
             smp = self._sampling_arrays(sampling, S, steps=step)
             self.state, new, free = self._run("decode", (width, smp.greedy_only),
@@ -282,12 +282,6 @@ class Generator:
             active[i] = False
         else:
             active[i] = True
-
-    def _page_width(self, tokens: int) -> int:
-        return page_width(self.method, tokens)
-
-    def _decode_width(self, tokens: int) -> int:
-        return decode_width(self.method, tokens)
 
     @staticmethod
     def _pad(smp: SamplingArrays, n: int) -> SamplingArrays:

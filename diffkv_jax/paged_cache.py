@@ -189,15 +189,12 @@ class FullCache(SlotPages):
         free, ids, ok = fl.allocate(state.free, counts, max_count)
         trash = self.trash_page(state)
         ids = jnp.where(ids >= 0, ids, trash).reshape(B, L, H, max_count)
-        if batch.start is None:
-            table = state.page_table.at[batch.slots, :, :, :max_count].set(ids)
-            num_pages = state.num_pages.at[batch.slots].set(
-                jnp.where(ok, counts.reshape(B, L, H), 0))
-        else:  # later chunks keep their rows' pages: their writes are dropped
-            first = jnp.where(batch.start == 0, batch.slots, self.max_seqs + 1)
-            table = state.page_table.at[first, :, :, :max_count].set(ids, mode="drop")
-            num_pages = state.num_pages.at[first].set(
-                jnp.where(ok, counts.reshape(B, L, H), 0), mode="drop")
+        # Rows of later chunks keep their pages: their writes go out of bounds (dropped).
+        first = (batch.slots if batch.start is None
+                 else jnp.where(batch.start == 0, batch.slots, self.max_seqs + 1))
+        table = state.page_table.at[first, :, :, :max_count].set(ids, mode="drop")
+        num_pages = state.num_pages.at[first].set(jnp.where(ok, counts.reshape(B, L, H), 0),
+                                                  mode="drop")
         state = state.replace(free=free, page_table=table, num_pages=num_pages,
                               alloc_failed=state.alloc_failed | ~ok)
         return state, batch
