@@ -43,8 +43,13 @@ class DecodeBatch:
       active: ``[S]`` bool, slots that decode this step.
       num_page_slots: static; pages of each row the attention reads (a bucket that
         covers the longest active row), so short batches read short rows.
+      max_active: static; at most this many slots are active (a bucket,
+        :func:`diffkv_jax.generation.active_bound`). The Pallas kernels split
+        rows along the sequence by it, so that a few long rows still fill the
+        GPU. 0: no bound (up to every slot).
     """
 
     tokens: jax.Array
     active: jax.Array
     num_page_slots: int = struct.field(pytree_node=False, default=1)
+    max_active: int = struct.field(pytree_node=False, default=0)

@@ -396,7 +396,7 @@ class DiffKVCache(SlotAccounting):
             from diffkv_jax.diffkv_kernel_attention import kernel_decode_step
 
             state, out = kernel_decode_step(self, state, layer, q[:, 0], k[:, 0], v[:, 0],
-                                            n_hi, n_lo, batch.active)
+                                            n_hi, n_lo, batch.active, batch.max_active)
             return state, out[:, None]
         hi = self.gather_rows(state, layer, HI, n_hi)
         lo = self.gather_rows(state, layer, LO, n_lo)

@@ -26,17 +26,23 @@ HI, LO = 0, 1
 TARGET_PROGRAMS = 4 * 132
 
 
-def _splits(S: int, H: int, max_pages: int) -> int:
-    """Splits along the sequence so that small batches still fill the GPU."""
+def _splits(rows: int, H: int, max_pages: int) -> int:
+    """Splits along the sequence so that ``rows`` active rows still fill the GPU.
+
+    The grid covers every slot; programs of inactive rows exit at once, so only
+    the active rows count towards keeping the multiprocessors busy.
+    """
     k = 1
-    while S * H * k < TARGET_PROGRAMS and 2 * k <= max_pages:
+    while rows * H * k < TARGET_PROGRAMS and 2 * k <= max_pages:
         k *= 2
     return k
 
 
-def _launch(S: int, H: int, max_pages: int, emit_logits: bool) -> pdk.LaunchConfig:
+def _launch(S: int, H: int, max_pages: int, emit_logits: bool,
+            max_active: int = 0) -> pdk.LaunchConfig:
     gpu = backend.on_gpu()
-    return pdk.LaunchConfig(num_splits=_splits(S, H, max_pages) if gpu else 1,
+    rows = min(S, max_active) if max_active else S
+    return pdk.LaunchConfig(num_splits=_splits(rows, H, max_pages) if gpu else 1,
                             dot_dtype="float16" if gpu else "float32",
                             emit_logits=emit_logits)
 
@@ -47,11 +53,12 @@ def _grouped_query(q, H: int):
     return pdk.pad_group(qg, 16) if backend.on_gpu() else qg
 
 
-def full_decode_attention(q, k_pages, v_pages, page_ids, lengths):
+def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, max_active: int = 0):
     """:func:`diffkv_jax.attention.paged_decode_attention` through the kernel.
 
     ``q [S, nq, D]``; ``k_pages, v_pages [P, page_size, D]``; ``page_ids [S, H, n]``;
-    ``lengths [S]`` tokens to attend to (>= 1). Returns ``[S, nq, D]`` float32.
+    ``lengths [S]`` tokens to attend to (>= 1); ``max_active``: static bound on the
+    active rows (0: all), which sizes the splits. Returns ``[S, nq, D]`` float32.
     """
     S, nq, D = q.shape
     H, n = page_ids.shape[1], page_ids.shape[2]
@@ -60,15 +67,17 @@ def full_decode_attention(q, k_pages, v_pages, page_ids, lengths):
     ntok = jnp.broadcast_to(lengths[:, None], (S, H)).astype(jnp.int32)
     tier = pdk.TierInput(fmt, k_pages, v_pages, None, page_ids, ntok)
     o, m, l, _ = pdk.paged_decode_partials(_grouped_query(q, H), [tier], group=G,
-                                           cfg=_launch(S, H, n, emit_logits=False))
+                                           cfg=_launch(S, H, n, False, max_active))
     out, _, _ = pdk.merge_partials([(o, m, l)])
     return out[:, :, :G].reshape(S, nq, D)
 
 
-def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: int):
+def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: int,
+                            max_active: int = 0):
     """Attention of ``q [S, nq, D]`` over the layer's cached tiers plus ``k_new, v_new [S, H, D]``.
 
-    ``n_hi`` / ``n_lo`` are the static numbers of pages read per row and tier.
+    ``n_hi`` / ``n_lo`` are the static numbers of pages read per row and tier;
+    ``max_active`` a static bound on the active rows (0: all), which sizes the splits.
     Returns ``(out [S, nq, D], logits, pages, M, L, p_new)``: per tier present the
     kernel's logits (log2 units) and the page IDs it read, the merged softmax
     statistics ``[S, H, Gp]`` and the newcomer's own probability ``[S, H]``.
@@ -92,7 +101,7 @@ def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_
         pages.append(rows[:, :, cols])
         tiers.append(pdk.TierInput(fmt, keys, values, (state.k_meta, state.v_meta), pages[-1],
                                    state.n_tok[:S, layer, :, tier]))
-    cfg = _launch(S, H, max(n_hi, n_lo), emit_logits=True)
+    cfg = _launch(S, H, max(n_hi, n_lo), True, max_active)
     o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg)
     Gp = qg.shape[2]
     s_new = jnp.einsum("shgd,shd->shg", qg, k_new.astype(jnp.float32)) / math.sqrt(D)
@@ -102,7 +111,8 @@ def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_
     return out[:, :, :G].reshape(S, nq, D), logits, pages, M, L, p_new
 
 
-def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: int, active):
+def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: int, active,
+                       max_active: int = 0):
     """One layer of a DiffKV decode step on the kernels: attention, then the policy's
     score accumulation and victim search (:mod:`pallas_kernels.policy_scores`), then
     the decision and the writes (:meth:`DiffKVCache.apply_decision`).
@@ -115,7 +125,7 @@ def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: i
     S, nq, _ = q.shape
     G = nq // method.num_kv_heads
     out, logits, pages, M, L, p_new = kernel_decode_attention(method, state, layer, q, k_new,
-                                                              v_new, n_hi, n_lo)
+                                                              v_new, n_hi, n_lo, max_active)
     caps = [method.cap(HI), method.cap(LO)][:len(pages)]
     n_tok = method.scoring_rows(state, layer, active)[:len(pages)]
     scores, victims = score_victims(logits, M, L, pages, n_tok, state.seq_len[:S],

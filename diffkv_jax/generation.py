@@ -106,6 +106,21 @@ def decode_width(method, tokens: int) -> int:
     return page_width(method, tokens)
 
 
+def active_bound(method, active: int) -> int:
+    """``DecodeBatch.max_active`` for a step with ``active`` slots decoding (a bucket).
+
+    On the Pallas path the attention kernels split each row into more parallel
+    pieces the fewer rows are active (one program per row and KV head cannot
+    fill the GPU at a small batch of long rows); the bound is a power of two, at
+    least 1/16 of the slots, so at most five variants of the decode step exist.
+    The plain-jnp reference does not split: 0 (one variant).
+    """
+    if getattr(method, "attention_impl", "reference") != "pallas":
+        return 0
+    S = method.max_seqs
+    return min(S, next_pow2(active, max(1, S // 16)))
+
+
 def next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << (max(int(n), 1) - 1).bit_length())
 
@@ -241,9 +256,10 @@ class Generator:
         step[:n] = 1
         while active.any():
             width = decode_width(self.method, int(seq_len[active].max()) + 1)
-            batch = DecodeBatch(jnp.asarray(last), jnp.asarray(active), width)
+            bound = active_bound(self.method, int(active.sum()))
+            batch = DecodeBatch(jnp.asarray(last), jnp.asarray(active), width, bound)
             smp = self._sampling_arrays(sampling, S, steps=step)
-            self.state, new, free = self._run("decode", (width, smp.greedy_only),
+            self.state, new, free = self._run("decode", (width, bound, smp.greedy_only),
                                               self.steps.decode_and_sample,
                                               self.params, self.state, batch, smp)
             new, self.free_pages = jax.device_get((new, free))

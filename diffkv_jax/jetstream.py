@@ -47,7 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
-from diffkv_jax.generation import GenerationInputError, Generator, SamplingParams, next_pow2
+from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams, active_bound,
+                                   decode_width, next_pow2)
 from diffkv_jax.sampling import SamplingArrays, sample
 from diffkv_jax.steps import CompiledSteps
 
@@ -134,15 +135,16 @@ def decode_batch(engine_or_steps, tokens: Sequence[int], active: Sequence[bool],
     ``tokens[s]``: slot ``s``'s last token (its first token right after
     prefill); ``active[s]``: whether it decodes; ``lengths[s]``: its prompt
     length plus the tokens generated so far (``tokens[s]`` included). The
-    attention reads a power-of-two number of pages covering the longest active
-    slot, the same bucket ``Engine`` uses, so each bucket compiles once.
+    shape buckets are the ones ``Engine`` uses (pages read:
+    :func:`~diffkv_jax.generation.decode_width`; active rows:
+    :func:`~diffkv_jax.generation.active_bound`), so each bucket compiles once.
     """
     method = compiled_steps(engine_or_steps).method
     active = np.asarray(active, bool)
     longest = int(np.max(np.asarray(lengths)[active], initial=0))
-    pages = (longest + 1) // method.page_size + 1
-    width = min(next_pow2(pages), method.row_len)
-    return DecodeBatch(jnp.asarray(np.asarray(tokens, np.int32)), jnp.asarray(active), width)
+    width = decode_width(method, longest + 1)
+    return DecodeBatch(jnp.asarray(np.asarray(tokens, np.int32)), jnp.asarray(active), width,
+                       active_bound(method, int(active.sum())))
 
 
 def generate(engine_or_steps, params, state, batch: DecodeBatch, sampling: SamplingArrays):

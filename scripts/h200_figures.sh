@@ -18,8 +18,10 @@ OUT=${OUT:-results/h200}
 mkdir -p "$OUT"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/diffkv-jax-xla}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-2}
+# TIME_LIMIT: seconds of serving measured; WALL_LIMIT: the same, compilation included.
 THROUGHPUT="--model llama3-8b --kv-budget-gb 6 --num-requests 256 --output-len 4096
-            --max-batch 128 --time-limit 300 --wall-limit 500 --profile-steps 5 --profile-at 120"
+            --max-batch 128 --time-limit ${TIME_LIMIT:-300} --wall-limit ${WALL_LIMIT:-500}
+            --profile-steps 5 --profile-at 120"
 
 case "${1:-}" in
   tests)

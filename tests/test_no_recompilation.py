@@ -99,3 +99,33 @@ def test_kernel_decode_compiles_one_width_bucket(tiny_model):
         widths = [decode_width(ref, n) for n in (1, 40, 300)]
         assert widths == sorted(widths) and len(set(widths)) == 3
         assert all(w & (w - 1) == 0 or w == ref.row_len for w in widths)
+
+
+def test_active_bound_buckets_are_few_and_cover_the_batch(tiny_model):
+    """The Pallas path buckets the active rows (the kernels size their splits by the
+    bound): powers of two from 1/16 of the slots up to all of them, never below
+    the rows that decode; the reference gets one variant (0)."""
+    from diffkv_jax.generation import active_bound
+    from diffkv_jax.methods import make_method
+
+    cfg, _ = tiny_model
+    ker = make_method("full", cfg, max_seqs=128, max_context=256, dtype=jnp.float32,
+                      attention_impl="pallas")
+    ref = make_method("full", cfg, max_seqs=128, max_context=256, dtype=jnp.float32)
+    bounds = {n: active_bound(ker, n) for n in range(1, 129)}
+    assert set(bounds.values()) == {8, 16, 32, 64, 128}
+    assert all(b >= n for n, b in bounds.items())
+    assert {active_bound(ref, n) for n in range(1, 129)} == {0}
+
+
+def test_fewer_active_rows_split_rows_further():
+    """Only active rows keep the GPU busy (inactive rows' programs exit at once), so
+    the split count grows as the bound on active rows shrinks, up to the pages."""
+    from diffkv_jax.diffkv_kernel_attention import TARGET_PROGRAMS, _splits
+
+    H, pages = 8, 280
+    ks = [_splits(rows, H, pages) for rows in (128, 64, 32, 16, 8)]
+    assert ks == sorted(ks) and ks[0] == 1 and ks[-1] > 4
+    for rows, k in zip((128, 64, 32, 16, 8), ks):
+        assert rows * H * k >= TARGET_PROGRAMS or 2 * k > pages
+    assert _splits(1, H, 2) == 2  # never more splits than pages
