@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pruning threshold, relative to 1/N (default: the model's calibrated "
                         "preset if any, else 0.02)")
     d.add_argument("--window", type=int, default=64, help="recent tokens always kept high")
-    d.add_argument("--obs-window", type=int, default=64,
-                   help="prompt queries counted for prompt-phase scores (0 = all)")
+    d.add_argument("--obs-window", type=int, default=None,
+                   help="prompt queries counted for prompt-phase scores, 0 = all (default: "
+                        "the calibrated preset's when it applies, else 64)")
     d.add_argument("--high-bits", default="K8V4", help="high tier, e.g. K8V4")
     d.add_argument("--low-bits", default="K4V2", help="low tier, e.g. K4V2, or 'off'")
     d.add_argument("--attention", default="reference", choices=("reference", "pallas"),
@@ -75,18 +76,27 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def diffkv_thresholds(model: str, alpha_high: float | None, alpha_low: float | None) -> dict:
-    """Thresholds for ``--kv diffkv``: the ones given, else the model's calibrated preset
-    (:mod:`diffkv_jax.presets`, written by ``scripts/calibrate.py``), else 1 and 0.02."""
+def diffkv_thresholds(model: str, alpha_high: float | None, alpha_low: float | None,
+                      obs_window: int | None = None) -> dict:
+    """Policy options for ``--kv diffkv``: the thresholds given, else the model's calibrated
+    preset (:mod:`diffkv_jax.presets`, written by ``scripts/calibrate.py``: thresholds and
+    the observation window they were chosen with), else 1 and 0.02 with a 64-query window.
+    ``obs_window`` (0: every prompt query) overrides the window either way."""
     preset = presets.load_preset(model) if alpha_high is None and alpha_low is None else None
     if preset is not None:
         options, path = preset
         print(f"diffkv thresholds from the calibrated preset {path}: alpha_high="
-              f"{options.get('alpha_high')}, alpha_low={options.get('alpha_low')}",
-              file=sys.stderr)
-        return {k: options[k] for k in ("alpha_high", "alpha_low") if k in options}
-    return dict(alpha_high=1.0 if alpha_high is None else alpha_high,
-                alpha_low=0.02 if alpha_low is None else alpha_low)
+              f"{options.get('alpha_high')}, alpha_low={options.get('alpha_low')}"
+              + (f", obs_window={options['obs_window'] or 'all'}" if "obs_window" in options
+                 else ""), file=sys.stderr)
+        out = {k: options[k] for k in ("alpha_high", "alpha_low", "obs_window") if k in options}
+    else:
+        out = dict(alpha_high=1.0 if alpha_high is None else alpha_high,
+                   alpha_low=0.02 if alpha_low is None else alpha_low)
+    if obs_window is not None:
+        out["obs_window"] = obs_window or None
+    out.setdefault("obs_window", 64)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,9 +175,8 @@ def _run(args) -> int:
     options = {"attention_impl": args.attention}
     if args.kv == "diffkv":
         low_off = args.low_bits.lower() == "off"
-        alphas = diffkv_thresholds(cfg.name, args.alpha_high, args.alpha_low)
-        options = dict(**alphas, window=args.window,
-                       obs_window=args.obs_window or None, low_tier=not low_off,
+        alphas = diffkv_thresholds(cfg.name, args.alpha_high, args.alpha_low, args.obs_window)
+        options = dict(**alphas, window=args.window, low_tier=not low_off,
                        high=args.high_bits, attention_impl=args.attention)
         if not low_off:
             options["low"] = args.low_bits
