@@ -208,18 +208,35 @@ class DiffKVCache(SlotAccounting):
         every token it does not store there, so the dropped writes neither cost
         memory traffic nor pile up on one location.
         """
-        lay, t = self.layout, self._tier(tier)
+        codes, side = self._encode_tokens(tier, k, v, score, pos)
+        state = self._write_codes(state, tier, page, slot, *codes)
+        return self._write_side(state, page, slot, side)
+
+    def _encode_tokens(self, tier: int, k, v, score, pos):
+        """Quantized ``(key bytes, value bytes)`` of ``tier`` and the tokens' side entries
+        ``(k_meta, v_meta, score, position)``, as the pool stores them."""
+        t = self._tier(tier)
         kp, ks, kz = qz.quantize_packed(k, t.k_bits)
         vp, vs, vz = qz.quantize_packed(v, t.v_bits)
-        kw, cap = lay.key_width(tier), self.cap(tier)
+        return (kp, vp), (pdk.pack_meta(ks, kz), pdk.pack_meta(vs, vz), score, pos)
+
+    def _write_codes(self, state: DiffKVState, tier: int, page, slot, kp, vp):
+        """Scatter tokens' key and value bytes of ``tier`` to ``(page, slot)``."""
+        kw, cap = self.layout.key_width(tier), self.cap(tier)
         # Keys are a token-major row of the page, values a column of its value rows.
         data = _scatter_rows(state.data, page, slot * kw, kp)
-        data = _scatter_columns(data, cap, page, kw, slot, vp)
+        return state.replace(data=_scatter_columns(data, cap, page, kw, slot, vp))
+
+    @staticmethod
+    def _write_side(state: DiffKVState, page, slot, side):
+        """Scatter tokens' ``(k_meta, v_meta, score, position)`` to ``(page, slot)``: the
+        side arrays have one entry per page slot whatever the tier, so writes of both
+        tiers can go in one scatter per array."""
         at = (page, slot)
+        k_meta, v_meta, score, pos = side
         return state.replace(
-            data=data,
-            k_meta=scatter_set(state.k_meta, at, pdk.pack_meta(ks, kz)),
-            v_meta=scatter_set(state.v_meta, at, pdk.pack_meta(vs, vz)),
+            k_meta=scatter_set(state.k_meta, at, k_meta),
+            v_meta=scatter_set(state.v_meta, at, v_meta),
             scores=scatter_set(state.scores, at, score),
             positions=scatter_set(state.positions, at, pos))
 
@@ -458,19 +475,28 @@ class DiffKVCache(SlotAccounting):
         rows = state.page_table[:S, layer]  # [S, H, R]
         cap_h, cap_l = self.cap(HI), self.cap(LO)
         page_at = lambda col: jnp.take_along_axis(rows, col[..., None], axis=-1)[..., 0]  # noqa
-        # 1. demoted victim -> its low slot (re-quantized from its stored high codes).
+        # 1. newcomer -> high slot (victim's slot or appended).
+        ns = d["new_slot"]
+        pages, slots = [jnp.where(act, page_at(ns // cap_h), skip)], [ns % cap_h]
+        sides = [self._encode_tokens(HI, k_new, v_new, p_new, cur_b)]
+        # 2. demoted victim -> its low slot (re-quantized from its stored high codes, read
+        #    before anything is written).
         if self.policy.low_tier:
             v_idx = jnp.maximum(vh, 0)
             vk, vv = self._read_tokens(state, HI, page_at(v_idx // cap_h), v_idx % cap_h)
             demote = act & (d["low_slot"] >= 0)
             ls = jnp.maximum(d["low_slot"], 0)
-            lo_page = jnp.where(demote, page_at(self.row_len - 1 - ls // cap_l), skip)
-            state = self._write_tokens(state, LO, lo_page, ls % cap_l, vk, vv, score_h, pos_h)
-        # 2. newcomer -> high slot (victim's slot or appended).
-        ns = d["new_slot"]
-        hi_page = jnp.where(act, page_at(ns // cap_h), skip)
-        state = self._write_tokens(state, HI, hi_page, ns % cap_h, k_new, v_new, p_new,
-                                   cur_b)
+            pages.append(jnp.where(demote, page_at(self.row_len - 1 - ls // cap_l), skip))
+            slots.append(ls % cap_l)
+            sides.append(self._encode_tokens(LO, vk, vv, score_h, pos_h))
+        # Low first: that write depends on the victim's read, so every write to the pool
+        # comes after the read and XLA updates the pool in place.
+        for tier, page, slot, (codes, _) in reversed(list(zip((HI, LO), pages, slots, sides))):
+            state = self._write_codes(state, tier, page, slot, *codes)
+        # The two writes land in different pages (one per tier), so one scatter per side
+        # array carries both: fewer launches per layer.
+        side = [jnp.stack(parts) for parts in zip(*(sd for _, sd in sides))]
+        state = self._write_side(state, jnp.stack(pages), jnp.stack(slots), side)
         n_tok = state.n_tok.at[:S, layer].set(jnp.where(
             act[..., None], jnp.stack([d["n_high"], d["n_low"]], -1), state.n_tok[:S, layer]))
         return state.replace(n_tok=n_tok)
