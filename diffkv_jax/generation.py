@@ -93,6 +93,14 @@ def page_width(method, tokens: int) -> int:
     return min(next_pow2(tokens // method.page_size + 1), method.row_len)
 
 
+def _progress(items, show: bool, desc: str):
+    if not show:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc)
+
+
 def decode_width(method, tokens: int) -> int:
     """Page-table columns a decode step passes its attention (a shape bucket).
 
@@ -119,6 +127,16 @@ def active_bound(method, active: int) -> int:
         return 0
     S = method.max_seqs
     return min(S, next_pow2(active, max(1, S // 16)))
+
+
+def decode_buckets(method) -> list[tuple[int, int]]:
+    """Every ``(num_page_slots, max_active)`` a decode step of ``method`` can be given by
+    :func:`decode_width` and :func:`active_bound`: the shapes to compile at warm-up."""
+    S = method.max_seqs
+    widths = sorted({decode_width(method, t) for t in range(0, method.max_context + 1,
+                                                             method.page_size)})
+    bounds = sorted({active_bound(method, n) for n in range(1, S + 1)})
+    return [(w, b) for w in widths for b in bounds]
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -154,6 +172,15 @@ class Generator:
         Compiling ahead of time keeps compilation out of the measured step times
         and makes "no recompilation after warm-up" a property of this dict.
         """
+        exe = self._compiled(name, key, fn, *args)
+        t0 = time.perf_counter()
+        out = exe(*args)
+        self.call_seconds += time.perf_counter() - t0
+        return out
+
+    def _compiled(self, name: str, key, fn, *args):
+        """The executable of ``fn`` for (name, shape bucket), compiled on first use
+        (nothing runs: ``args`` only give shapes)."""
         exe = self._executables.get((name, key))
         if exe is None:
             # Finish queued device work first, so it is not counted as compilation.
@@ -164,10 +191,29 @@ class Generator:
             exe = fn.lower(*args).compile()
             self.compile_seconds += time.perf_counter() - t0
             self._executables[(name, key)] = exe
-        t0 = time.perf_counter()
-        out = exe(*args)
-        self.call_seconds += time.perf_counter() - t0
-        return out
+        return exe
+
+    def warm_up(self, sampled: bool = False, progress: bool = False) -> int:
+        """Compile the decode step for every shape bucket now (:func:`decode_buckets`),
+        so that serving never stops to compile one when the batch or the contexts
+        change. Greedy decoding always; with ``sampled`` the sampling variant too.
+        Returns the number of executables compiled (already compiled ones are skipped).
+        Prefill buckets still compile on first use.
+        """
+        S = self.method.max_seqs
+        modes = [SamplingParams()] + ([SamplingParams(temperature=1.0)] if sampled else [])
+        todo = [(w, b, m) for w, b in decode_buckets(self.method) for m in modes]
+        before = len(self._executables)
+        last = jnp.zeros(S, jnp.int32)
+        active = jnp.zeros(S, bool)
+        steps = np.zeros(S, np.int32)
+        bar = _progress(todo, progress, "compiling decode buckets")
+        for width, bound, mode in bar:
+            smp = self._sampling_arrays([mode] * S, S, steps)
+            batch = DecodeBatch(last, active, width, bound)
+            self._compiled("decode", (width, bound, smp.greedy_only),
+                           self.steps.decode_and_sample, self.params, self.state, batch, smp)
+        return len(self._executables) - before
 
     @property
     def num_compiled(self) -> int:

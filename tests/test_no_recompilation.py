@@ -129,3 +129,44 @@ def test_fewer_active_rows_split_rows_further():
     for rows, k in zip((128, 64, 32, 16, 8), ks):
         assert rows * H * k >= TARGET_PROGRAMS or 2 * k > pages
     assert _splits(1, H, 2) == 2  # never more splits than pages
+
+
+def test_decode_buckets_cover_every_step_shape(tiny_model):
+    """Warm-up compiles :func:`decode_buckets`; every (width, bound) a step can be given
+    is among them, on both attention paths."""
+    from diffkv_jax.generation import active_bound, decode_buckets, decode_width
+    from diffkv_jax.methods import make_method
+
+    cfg, _ = tiny_model
+    for impl in ("reference", "pallas"):
+        m = make_method("diffkv", cfg, max_seqs=64, max_context=300, dtype=jnp.float32,
+                        attention_impl=impl)
+        buckets = set(decode_buckets(m))
+        seen = {(decode_width(m, t), active_bound(m, n))
+                for t in range(1, 301) for n in range(1, 65)}
+        assert seen <= buckets
+        assert len(buckets) == len(seen)  # nothing compiled that no step uses
+
+
+def test_engine_after_warm_up_compiles_no_decode_step(tiny_model):
+    """After ``warm_up`` a workload of mixed lengths and batch sizes, greedy and sampled,
+    compiles no decode executable (prefill buckets still compile on first use)."""
+    from diffkv_jax.engine import Engine
+    from diffkv_jax.methods import make_method
+
+    cfg, params = tiny_model
+    m = make_method("full", cfg, max_seqs=4, max_context=96, dtype=jnp.float32)
+    eng = Engine(cfg, params, m, num_pages=4 * m.pages_for_tokens(96) + 64)
+    from diffkv_jax.generation import decode_buckets
+
+    compiled = eng.warm_up(sampled=True)
+    assert compiled == 2 * len(decode_buckets(m)) > 0  # greedy and sampled variants
+    assert eng.warm_up(sampled=True) == 0  # already compiled: nothing to do
+    decode_keys = {k for k in eng._executables if k[0] == "decode"}
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(0, cfg.vocab_size, size=n)) for n in (5, 40, 17, 70, 3, 9)]
+    sampling = [SamplingParams(max_new_tokens=n, temperature=t, seed=i)
+                for i, (n, t) in enumerate(zip((20, 12, 25, 20, 8, 30), (0, 0.8, 0, 0, 1.0, 0)))]
+    outs = eng.generate(prompts, sampling)
+    assert all(r.status == "finished" and len(r.output) > 0 for r in outs)
+    assert {k for k in eng._executables if k[0] == "decode"} == decode_keys
