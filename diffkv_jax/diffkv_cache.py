@@ -475,27 +475,30 @@ class DiffKVCache(SlotAccounting):
         rows = state.page_table[:S, layer]  # [S, H, R]
         cap_h, cap_l = self.cap(HI), self.cap(LO)
         page_at = lambda col: jnp.take_along_axis(rows, col[..., None], axis=-1)[..., 0]  # noqa
-        # 1. newcomer -> high slot (victim's slot or appended).
-        ns = d["new_slot"]
-        pages, slots = [jnp.where(act, page_at(ns // cap_h), skip)], [ns % cap_h]
-        sides = [self._encode_tokens(HI, k_new, v_new, p_new, cur_b)]
-        # 2. demoted victim -> its low slot (re-quantized from its stored high codes, read
-        #    before anything is written).
+        # (tier, page, slot, codes, side entries) of each token written, in write order.
+        writes = []
+        # 1. demoted victim -> its low slot (re-quantized from its stored high codes).
+        #    Written first: that write depends on the victim's read, so every write to
+        #    the pool comes after the read and XLA updates the pool in place.
         if self.policy.low_tier:
             v_idx = jnp.maximum(vh, 0)
             vk, vv = self._read_tokens(state, HI, page_at(v_idx // cap_h), v_idx % cap_h)
             demote = act & (d["low_slot"] >= 0)
             ls = jnp.maximum(d["low_slot"], 0)
-            pages.append(jnp.where(demote, page_at(self.row_len - 1 - ls // cap_l), skip))
-            slots.append(ls % cap_l)
-            sides.append(self._encode_tokens(LO, vk, vv, score_h, pos_h))
-        # Low first: that write depends on the victim's read, so every write to the pool
-        # comes after the read and XLA updates the pool in place.
-        for tier, page, slot, (codes, _) in reversed(list(zip((HI, LO), pages, slots, sides))):
+            lo_page = jnp.where(demote, page_at(self.row_len - 1 - ls // cap_l), skip)
+            writes.append((LO, lo_page, ls % cap_l,
+                           *self._encode_tokens(LO, vk, vv, score_h, pos_h)))
+        # 2. newcomer -> high slot (victim's slot or appended).
+        ns = d["new_slot"]
+        hi_page = jnp.where(act, page_at(ns // cap_h), skip)
+        writes.append((HI, hi_page, ns % cap_h,
+                       *self._encode_tokens(HI, k_new, v_new, p_new, cur_b)))
+        for tier, page, slot, codes, _ in writes:
             state = self._write_codes(state, tier, page, slot, *codes)
-        # The two writes land in different pages (one per tier), so one scatter per side
-        # array carries both: fewer launches per layer.
-        side = [jnp.stack(parts) for parts in zip(*(sd for _, sd in sides))]
+        # The writes land in different pages (one per tier), so one scatter per side
+        # array carries them all: fewer launches per layer.
+        _, pages, slots, _, sides = zip(*writes)
+        side = [jnp.stack(parts) for parts in zip(*sides)]
         state = self._write_side(state, jnp.stack(pages), jnp.stack(slots), side)
         n_tok = state.n_tok.at[:S, layer].set(jnp.where(
             act[..., None], jnp.stack([d["n_high"], d["n_low"]], -1), state.n_tok[:S, layer]))

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.sampling import SamplingArrays, sample
@@ -91,14 +92,6 @@ class GenerationResult:
 def page_width(method, tokens: int) -> int:
     """Page-table columns covering ``tokens`` per row, in power-of-two buckets."""
     return min(next_pow2(tokens // method.page_size + 1), method.row_len)
-
-
-def _progress(items, show: bool, desc: str):
-    if not show:
-        return items
-    from tqdm import tqdm
-
-    return tqdm(items, desc=desc)
 
 
 def decode_width(method, tokens: int) -> int:
@@ -207,8 +200,8 @@ class Generator:
         last = jnp.zeros(S, jnp.int32)
         active = jnp.zeros(S, bool)
         steps = np.zeros(S, np.int32)
-        bar = _progress(todo, progress, "compiling decode buckets")
-        for width, bound, mode in bar:
+        for width, bound, mode in tqdm(todo, disable=not progress,
+                                       desc="compiling decode buckets"):
             smp = self._sampling_arrays([mode] * S, S, steps)
             batch = DecodeBatch(last, active, width, bound)
             self._compiled("decode", (width, bound, smp.greedy_only),

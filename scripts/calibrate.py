@@ -86,6 +86,7 @@ def main() -> int:
 
     from diffkv_jax.evaluation.datasets import load_passkey, long_text_documents
     from diffkv_jax.evaluation.tasks import passkey_score
+    from diffkv_jax.engine import pages_to_serve
     from diffkv_jax.generation import Generator, SamplingParams
     from diffkv_jax.methods import make_method
     from diffkv_jax.presets import save_preset
@@ -117,9 +118,8 @@ def main() -> int:
         new = 8
         method = make_method(name, cfg, max_seqs=len(passkeys),
                              max_context=max(map(len, passkey_ids)) + new, dtype=dtype, **opts)
-        pages = sum(method.pages_for_tokens(len(ids) + new) for ids in passkey_ids)
-        gen = Generator(cfg, params, method, pages + len(passkeys) * method.max_new_pages_per_row
-                        * method.num_layers * method.num_kv_heads, dtype)
+        pages = sum(pages_to_serve(method, len(ids) + new) for ids in passkey_ids)
+        gen = Generator(cfg, params, method, pages, dtype)
         res = gen.generate(passkey_ids, [SamplingParams(max_new_tokens=new)] * len(passkeys))
         return {i for i, (ex, out) in enumerate(zip(passkeys, res.tokens))
                 if passkey_score(tok.decode(out), ex.passkey) == 1.0}
@@ -147,8 +147,8 @@ def main() -> int:
         if passkeys:
             row.update(passkeys=len(keys), retrieval=len(keys & full_keys) / max(len(full_keys), 1))
         rows.append(row)
-        print(f"obs_window={obs or 'all'!s:<4} alpha_high={ah:<5g} alpha_low={al:<5g} ppl {row['perplexity']:.3f} "
-              f"({row['ppl_increase']:+.2%}) top-1 {row['agreement']:.1%} memory "
+        print(f"obs_window={obs or 'all'!s:<4} alpha_high={ah:<5g} alpha_low={al:<5g} "
+              f"ppl {row['perplexity']:.3f} ({row['ppl_increase']:+.2%}) top-1 {row['agreement']:.1%} memory "
               f"{row['memory_ratio']:.1%} (high {row['frac_high']:.0%}, low "
               f"{row['frac_low']:.0%}, pruned {row['frac_pruned']:.0%})"
               + (f" passkeys {len(keys)}/{len(passkeys)}" if passkeys else "")
