@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 from flax import struct
 
@@ -43,13 +45,12 @@ class DecodeBatch:
       active: ``[S]`` bool, slots that decode this step.
       num_page_slots: static; pages of each row the attention reads (a bucket that
         covers the longest active row), so short batches read short rows.
-      max_active: static; at most this many slots are active (a bucket,
-        :func:`diffkv_jax.generation.active_bound`). The Pallas kernels split
-        rows along the sequence by it, so that a few long rows still fill the
-        GPU. 0: no bound (up to every slot).
+      work: filled by the cache method's ``begin_decode`` inside the step (callers
+        leave it None): the Pallas attention launches' work items of every
+        layer, which split the active rows' pages into equal pieces.
     """
 
     tokens: jax.Array
     active: jax.Array
     num_page_slots: int = struct.field(pytree_node=False, default=1)
-    max_active: int = struct.field(pytree_node=False, default=0)
+    work: Any = None

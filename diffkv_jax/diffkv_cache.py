@@ -393,6 +393,10 @@ class DiffKVCache(SlotAccounting):
 
     # ---- decode -----------------------------------------------------------------------
     def begin_decode(self, state: DiffKVState, batch: DecodeBatch):
+        if self.attention_impl == "pallas":  # every layer's kernel work items, at once
+            from diffkv_jax.diffkv_kernel_attention import plan_decode_work
+
+            batch = batch.replace(work=plan_decode_work(self, state, batch.active))
         return state, batch
 
     def _widths(self, batch: DecodeBatch) -> tuple[int, int]:
@@ -410,10 +414,11 @@ class DiffKVCache(SlotAccounting):
     def decode_attention(self, state: DiffKVState, layer, q, k, v, batch: DecodeBatch):
         n_hi, n_lo = self._widths(batch)
         if self.attention_impl == "pallas":
-            from diffkv_jax.diffkv_kernel_attention import kernel_decode_step
+            from diffkv_jax.diffkv_kernel_attention import kernel_decode_step, layer_work
 
             state, out = kernel_decode_step(self, state, layer, q[:, 0], k[:, 0], v[:, 0],
-                                            n_hi, n_lo, batch.active, batch.max_active)
+                                            n_hi, n_lo, batch.active,
+                                            layer_work(batch.work, layer))
             return state, out[:, None]
         hi = self.gather_rows(state, layer, HI, n_hi)
         lo = self.gather_rows(state, layer, LO, n_lo)

@@ -16,34 +16,32 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels import backend
 from pallas_kernels import paged_decode as pdk
 
 HI, LO = 0, 1
-#: Programs that keep every multiprocessor of an H200 (132) busy a few times over.
-TARGET_PROGRAMS = 4 * 132
+#: Work items of an attention launch on the GPU: about two waves of the eight
+#: one-warp K8V4 programs each of an H200's 132 multiprocessors holds.
+WORK_ITEMS = 2048
 
 
-def _splits(rows: int, H: int, max_pages: int) -> int:
-    """Splits along the sequence so that ``rows`` active rows still fill the GPU.
+def work_items(S: int, H: int) -> int:
+    """Static work items of a launch over ``S x H`` rows (:func:`pdk.plan_work`).
 
-    The grid covers every slot; programs of inactive rows exit at once, so only
-    the active rows count towards keeping the multiprocessors busy.
+    On the GPU enough that rows of any length mix split into items of about equal
+    size that fill the multiprocessors; in interpret mode (programs run one after
+    the other) one more than the rows, i.e. about one item per active row.
     """
-    k = 1
-    while rows * H * k < TARGET_PROGRAMS and 2 * k <= max_pages:
-        k *= 2
-    return k
+    if backend.on_gpu():
+        return max(WORK_ITEMS, 2 * S * H)
+    return S * H + 1
 
 
-def _launch(S: int, H: int, max_pages: int, emit_logits: bool,
-            max_active: int = 0) -> pdk.LaunchConfig:
-    gpu = backend.on_gpu()
-    rows = min(S, max_active) if max_active else S
-    return pdk.LaunchConfig(num_splits=_splits(rows, H, max_pages) if gpu else 1,
-                            dot_dtype="float16" if gpu else "float32",
+def _launch(emit_logits: bool) -> pdk.LaunchConfig:
+    return pdk.LaunchConfig(dot_dtype="float16" if backend.on_gpu() else "float32",
                             emit_logits=emit_logits)
 
 
@@ -53,34 +51,62 @@ def _grouped_query(q, H: int):
     return pdk.pad_group(qg, 16) if backend.on_gpu() else qg
 
 
-def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, max_active: int = 0):
+def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, active):
     """:func:`diffkv_jax.attention.paged_decode_attention` through the kernel.
 
     ``q [S, nq, D]``; ``k_pages, v_pages [P, page_size, D]``; ``page_ids [S, H, n]``;
-    ``lengths [S]`` tokens to attend to (>= 1); ``max_active``: static bound on the
-    active rows (0: all), which sizes the splits. Returns ``[S, nq, D]`` float32.
+    ``lengths [S]`` tokens to attend to; ``active [S]`` rows to compute (the others
+    come out as zeros). Returns ``[S, nq, D]`` float32.
     """
     S, nq, D = q.shape
-    H, n = page_ids.shape[1], page_ids.shape[2]
+    H = page_ids.shape[1]
     G = nq // H
     fmt = pdk.TierFormat(16, 16, D, k_pages.shape[1])
     ntok = jnp.broadcast_to(lengths[:, None], (S, H)).astype(jnp.int32)
     tier = pdk.TierInput(fmt, k_pages, v_pages, None, page_ids, ntok)
+    work = pdk.plan_work(pdk.row_pages([tier], active), work_items(S, H))
     o, m, l, _ = pdk.paged_decode_partials(_grouped_query(q, H), [tier], group=G,
-                                           cfg=_launch(S, H, n, False, max_active))
-    out, _, _ = pdk.merge_partials([(o, m, l)])
-    return out[:, :, :G].reshape(S, nq, D)
+                                           cfg=_launch(False), work=work)
+    out, _, _ = pdk.merge_work(o, m, l, work, S, H)
+    return out.reshape(S, nq, D)
+
+
+def plan_decode_work(method, state, active) -> pdk.WorkList:
+    """Work lists of every layer's attention launch in a DiffKV decode step, from the
+    rows' tier counts at the step's start (a layer's counts change only after its
+    own attention): one computation for the whole step instead of one per layer.
+
+    Returns a :class:`pdk.WorkList` whose arrays have a leading layer axis.
+    """
+    S, H = method.max_seqs, method.num_kv_heads
+    n_tok = state.n_tok[:S].astype(jnp.int32)  # [S, L, H, 2]
+    tiers = (HI, LO) if method.policy.low_tier else (HI,)
+    pages = sum((n_tok[..., t] + method.cap(t) - 1) // method.cap(t) for t in tiers)
+    pages = jnp.where(active[:, None, None], pages, 0).transpose(1, 0, 2)  # [L, S, H]
+    N = work_items(S, H)
+
+    def plan(p):
+        w = pdk.plan_work(p, N)
+        return w.items, w.seg
+
+    items, seg = jax.vmap(plan)(pages)
+    return pdk.WorkList(items, seg, S * H)
+
+
+def layer_work(work: pdk.WorkList, layer) -> pdk.WorkList:
+    """One layer's work list from :func:`plan_decode_work`."""
+    return pdk.WorkList(work.items[layer], work.seg[layer], work.num_rows)
 
 
 def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: int,
-                            max_active: int = 0):
+                            work: pdk.WorkList):
     """Attention of ``q [S, nq, D]`` over the layer's cached tiers plus ``k_new, v_new [S, H, D]``.
 
     ``n_hi`` / ``n_lo`` are the static numbers of pages read per row and tier;
-    ``max_active`` a static bound on the active rows (0: all), which sizes the splits.
+    ``work`` the launch's work items (:func:`plan_decode_work` of this layer).
     Returns ``(out [S, nq, D], logits, pages, M, L, p_new)``: per tier present the
     kernel's logits (log2 units) and the page IDs it read, the merged softmax
-    statistics ``[S, H, Gp]`` and the newcomer's own probability ``[S, H]``.
+    statistics ``[S, H, G]`` and the newcomer's own probability ``[S, H]``.
     """
     S, nq, D = q.shape
     H = method.num_kv_heads
@@ -101,18 +127,18 @@ def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_
         pages.append(rows[:, :, cols])
         tiers.append(pdk.TierInput(fmt, keys, values, (state.k_meta, state.v_meta), pages[-1],
                                    state.n_tok[:S, layer, :, tier]))
-    cfg = _launch(S, H, max(n_hi, n_lo), True, max_active)
-    o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg)
-    Gp = qg.shape[2]
-    s_new = jnp.einsum("shgd,shd->shg", qg, k_new.astype(jnp.float32)) / math.sqrt(D)
-    v_ext = jnp.broadcast_to(v_new.astype(jnp.float32)[:, :, None], (S, H, Gp, D))
-    out, M, L = pdk.merge_partials([(o, m, l)], (v_ext, s_new, jnp.ones_like(s_new)))
-    p_new = jnp.max(jnp.exp(s_new[..., :G] - M[..., :G]) / L[..., :G], axis=-1)
-    return out[:, :, :G].reshape(S, nq, D), logits, pages, M, L, p_new
+    o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=_launch(True),
+                                                work=work)
+    qr = qg[:, :, :G]
+    s_new = jnp.einsum("shgd,shd->shg", qr, k_new.astype(jnp.float32)) / math.sqrt(D)
+    v_ext = jnp.broadcast_to(v_new.astype(jnp.float32)[:, :, None], (S, H, G, D))
+    out, M, L = pdk.merge_work(o, m, l, work, S, H, (v_ext, s_new, jnp.ones_like(s_new)))
+    p_new = jnp.max(jnp.exp(s_new - M) / L, axis=-1)
+    return out.reshape(S, nq, D), logits, pages, M, L, p_new
 
 
 def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: int, active,
-                       max_active: int = 0):
+                       work: pdk.WorkList):
     """One layer of a DiffKV decode step on the kernels: attention, then the policy's
     score accumulation and victim search (:mod:`pallas_kernels.policy_scores`), then
     the decision and the writes (:meth:`DiffKVCache.apply_decision`).
@@ -125,7 +151,7 @@ def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: i
     S, nq, _ = q.shape
     G = nq // method.num_kv_heads
     out, logits, pages, M, L, p_new = kernel_decode_attention(method, state, layer, q, k_new,
-                                                              v_new, n_hi, n_lo, max_active)
+                                                              v_new, n_hi, n_lo, work)
     caps = [method.cap(HI), method.cap(LO)][:len(pages)]
     n_tok = method.scoring_rows(state, layer, active)[:len(pages)]
     scores, victims = score_victims(logits, M, L, pages, n_tok, state.seq_len[:S],

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
-from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams, active_bound,
+from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams,
                                    decode_width, next_pow2, page_width)
 
 
@@ -653,14 +653,13 @@ class Engine(Generator):
         active[rows] = True
         steps = np.where(active, self._gen, 0).astype(np.int32)
         width = decode_width(self.method, int((self._plen[rows] + self._gen[rows]).max()))
-        bound = active_bound(self.method, len(rows))
-        batch = DecodeBatch(self._last, jnp.asarray(active), width, bound)
+        batch = DecodeBatch(self._last, jnp.asarray(active), width)
         if self._sampling_static is None:
             sampling = [SamplingParams() if rid is None else self.requests[rid].sampling
                         for rid in self.slots]
             self._sampling_static = self._sampling_arrays(sampling, S, steps)
         smp = self._sampling_static.replace(step=jnp.asarray(steps))
-        self.state, tok, free = self._run("decode", (width, bound, smp.greedy_only),
+        self.state, tok, free = self._run("decode", (width, smp.greedy_only),
                                           self.steps.decode_and_sample, self.params,
                                           self.state, batch, smp)
         self._last = tok

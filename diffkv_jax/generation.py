@@ -107,29 +107,11 @@ def decode_width(method, tokens: int) -> int:
     return page_width(method, tokens)
 
 
-def active_bound(method, active: int) -> int:
-    """``DecodeBatch.max_active`` for a step with ``active`` slots decoding (a bucket).
-
-    On the Pallas path the attention kernels split each row into more parallel
-    pieces the fewer rows are active (one program per row and KV head cannot
-    fill the GPU at a small batch of long rows); the bound is a power of two, at
-    least 1/16 of the slots, so at most five variants of the decode step exist.
-    The plain-jnp reference does not split: 0 (one variant).
-    """
-    if getattr(method, "attention_impl", "reference") != "pallas":
-        return 0
-    S = method.max_seqs
-    return min(S, next_pow2(active, max(1, S // 16)))
-
-
-def decode_buckets(method) -> list[tuple[int, int]]:
-    """Every ``(num_page_slots, max_active)`` a decode step of ``method`` can be given by
-    :func:`decode_width` and :func:`active_bound`: the shapes to compile at warm-up."""
-    S = method.max_seqs
-    widths = sorted({decode_width(method, t) for t in range(0, method.max_context + 1,
-                                                             method.page_size)})
-    bounds = sorted({active_bound(method, n) for n in range(1, S + 1)})
-    return [(w, b) for w in widths for b in bounds]
+def decode_buckets(method) -> list[int]:
+    """Every ``num_page_slots`` a decode step of ``method`` can be given by
+    :func:`decode_width`: the shapes to compile at warm-up."""
+    return sorted({decode_width(method, t) for t in range(0, method.max_context + 1,
+                                                          method.page_size)})
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -195,16 +177,15 @@ class Generator:
         """
         S = self.method.max_seqs
         modes = [SamplingParams()] + ([SamplingParams(temperature=1.0)] if sampled else [])
-        todo = [(w, b, m) for w, b in decode_buckets(self.method) for m in modes]
+        todo = [(w, m) for w in decode_buckets(self.method) for m in modes]
         before = len(self._executables)
         last = jnp.zeros(S, jnp.int32)
         active = jnp.zeros(S, bool)
         steps = np.zeros(S, np.int32)
-        for width, bound, mode in tqdm(todo, disable=not progress,
-                                       desc="compiling decode buckets"):
+        for width, mode in tqdm(todo, disable=not progress, desc="compiling decode buckets"):
             smp = self._sampling_arrays([mode] * S, S, steps)
-            batch = DecodeBatch(last, active, width, bound)
-            self._compiled("decode", (width, bound, smp.greedy_only),
+            batch = DecodeBatch(last, active, width)
+            self._compiled("decode", (width, smp.greedy_only),
                            self.steps.decode_and_sample, self.params, self.state, batch, smp)
         return len(self._executables) - before
 
@@ -295,10 +276,9 @@ class Generator:
         step[:n] = 1
         while active.any():
             width = decode_width(self.method, int(seq_len[active].max()) + 1)
-            bound = active_bound(self.method, int(active.sum()))
-            batch = DecodeBatch(jnp.asarray(last), jnp.asarray(active), width, bound)
+            batch = DecodeBatch(jnp.asarray(last), jnp.asarray(active), width)
             smp = self._sampling_arrays(sampling, S, steps=step)
-            self.state, new, free = self._run("decode", (width, bound, smp.greedy_only),
+            self.state, new, free = self._run("decode", (width, smp.greedy_only),
                                               self.steps.decode_and_sample,
                                               self.params, self.state, batch, smp)
             new, self.free_pages = jax.device_get((new, free))

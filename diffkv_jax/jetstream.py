@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
-from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams, active_bound,
+from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams,
                                    decode_width, next_pow2)
 from diffkv_jax.sampling import SamplingArrays, sample
 from diffkv_jax.steps import CompiledSteps
@@ -135,16 +135,14 @@ def decode_batch(engine_or_steps, tokens: Sequence[int], active: Sequence[bool],
     ``tokens[s]``: slot ``s``'s last token (its first token right after
     prefill); ``active[s]``: whether it decodes; ``lengths[s]``: its prompt
     length plus the tokens generated so far (``tokens[s]`` included). The
-    shape buckets are the ones ``Engine`` uses (pages read:
-    :func:`~diffkv_jax.generation.decode_width`; active rows:
-    :func:`~diffkv_jax.generation.active_bound`), so each bucket compiles once.
+    shape bucket (pages read, :func:`~diffkv_jax.generation.decode_width`) is the
+    one ``Engine`` uses, so each bucket compiles once.
     """
     method = compiled_steps(engine_or_steps).method
     active = np.asarray(active, bool)
     longest = int(np.max(np.asarray(lengths)[active], initial=0))
     width = decode_width(method, longest + 1)
-    return DecodeBatch(jnp.asarray(np.asarray(tokens, np.int32)), jnp.asarray(active), width,
-                       active_bound(method, int(active.sum())))
+    return DecodeBatch(jnp.asarray(np.asarray(tokens, np.int32)), jnp.asarray(active), width)
 
 
 def generate(engine_or_steps, params, state, batch: DecodeBatch, sampling: SamplingArrays):

@@ -258,7 +258,7 @@ class FullCache(SlotPages):
                               v_pages=scatter_set(state.v_pages, (page, off), v))
         ids = rows[:, :, :batch.num_page_slots]
         out = self._paged_attention(layer, q[:, 0], state.k_pages, state.v_pages, ids,
-                                    jnp.maximum(pos + 1, 1), batch.max_active)
+                                    pos + 1, batch.active)
         return state, out[:, None]
 
     # Storage hooks: a cache that stores K/V in another form (e.g. scaled FP8)
@@ -271,13 +271,13 @@ class FullCache(SlotPages):
         """Inverse of :meth:`_encode`: gathered page contents ``[..., KVH, D]`` as values."""
         return k, v
 
-    def _paged_attention(self, layer, q, k_pages, v_pages, page_ids, lengths, max_active=0):
+    def _paged_attention(self, layer, q, k_pages, v_pages, page_ids, lengths, active):
         """Decode attention of ``q [S, nq, D]`` over the pages ``page_ids [S, KVH, n]``
-        (at most ``max_active`` rows active, 0: any; see :class:`DecodeBatch`)."""
+        (``lengths [S]`` tokens each; rows not ``active [S]`` may come out as zeros)."""
         if self.attention_impl == "pallas":
             from diffkv_jax.diffkv_kernel_attention import full_decode_attention
 
-            return full_decode_attention(q, k_pages, v_pages, page_ids, lengths, max_active)
+            return full_decode_attention(q, k_pages, v_pages, page_ids, lengths, active)
         return attn_ref.paged_decode_attention(q, k_pages, v_pages, page_ids, lengths)
 
     def end_decode(self, state: PagedKVState, batch: DecodeBatch) -> PagedKVState:

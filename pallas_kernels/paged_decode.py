@@ -1,10 +1,12 @@
 """Paged decode attention over quantized (or 16-bit) pages, all tiers of a row in one launch.
 
-One program per (sequence, KV head, split) covers the whole GQA group (the
-query rows of one KV head, padded to the 16 rows of the smallest dot tile on
-the GPU). It walks its share of the row's pages tier after tier (DiffKV's high
-pages, then its low pages) one page per step, and keeps one online softmax
-across tiers. Keys enter the ``q . k`` dot as integer codes and the per-token
+One program per work item covers the whole GQA group (the query rows of one
+KV head, padded to the 16 rows of the smallest dot tile on the GPU) over a
+range of the row's pages: the row's tiers are laid end to end (DiffKV's high
+pages, then its low pages), walked one page per step with one online softmax
+across tiers. :func:`plan_work` cuts the rows into items of at most the same
+number of pages on the device, so ragged rows keep every program equally
+busy; :func:`even_work` gives each row a fixed number of equal splits. Keys enter the ``q . k`` dot as integer codes and the per-token
 scale/zero are applied to the logits; values likewise through the
 probabilities:
 
@@ -26,12 +28,12 @@ regions are the same bytes for every tier that spends ``kw + vw`` bytes per
 token, so DiffKV's K8V4 and K4V2 pages share one size. 16-bit tiers (the
 uncompressed cache) keep separate ``[P, slots, D]`` key and value pools.
 
-Outputs are unnormalized partials ``(o, m, l)`` per split and, for the
+Outputs are unnormalized partials ``(o, m, l)`` per item and, for the
 policy, the logits of the real group rows (log2 units: ``log2(e) q.k /
-sqrt(D)``). :func:`merge_partials` combines splits and the token being
-decoded exactly (flash-decoding); :func:`group_max_probabilities` turns
-logits into the per-token probabilities (max over the group) that the
-tiering policy accumulates.
+sqrt(D)``). :func:`merge_work` (or :func:`merge_partials` for even splits)
+combines them and the token being decoded exactly (flash-decoding);
+:func:`group_max_probabilities` turns logits into the per-token
+probabilities (max over the group) that the tiering policy accumulates.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ class TierInput:
 class LaunchConfig:
     """Launch settings (static)."""
 
-    num_splits: int = 1
+    num_splits: int = 1  # items per row when no work list is given (even splits)
     num_warps: int = 1
     num_stages: int = 3
     # Quantized tiers: "float16" dots with codes as 1024 + c (the GPU path);
@@ -172,14 +174,18 @@ def _unpack_meta(word: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: bool):
     n_t = len(tiers)
-    q_ref, tier_refs = refs[0], refs[1:1 + 6 * n_t]
-    o_ref, m_ref, l_ref = refs[1 + 6 * n_t:4 + 6 * n_t]
-    s_refs = refs[4 + 6 * n_t:]
-    Gp, D = q_ref.shape
+    items_ref, q_ref, tier_refs = refs[0], refs[1], refs[2:2 + 6 * n_t]
+    o_ref, m_ref, l_ref = refs[2 + 6 * n_t:5 + 6 * n_t]
+    s_refs = refs[5 + 6 * n_t:]
+    Gp, D = m_ref.shape[0], q_ref.shape[-1]
     # The output is kept in one accumulator per slice of the most packed value codes.
     parts = max(8 // f.v_bits if f.quantized else 1 for f in tiers)
     w = D // parts
-    split = pl.program_id(2)
+    # This program's work item: row (s, h) over pages [begin, end) of the row's
+    # tiers laid end to end (high pages, then low pages).
+    item = pl.program_id(0)
+    s_i, h_i = items_ref[item, 0], items_ref[item, 1]
+    begin, end = items_ref[item, 2], items_ref[item, 3]
     magic = cfg.dot_dtype == "float16"
     qdt = jnp.float16 if magic else jnp.float32
     row_iota = lax.broadcasted_iota(jnp.int32, (Gp,), 0)
@@ -188,17 +194,24 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
     qscale = LOG2E / math.sqrt(D)
 
     def q_part(start, width, dtype):
-        return (q_ref[:, pl.ds(start, width)].astype(jnp.float32) * qscale).astype(dtype)
+        q = q_ref[s_i, h_i, :, pl.ds(start, width)]
+        return (q.astype(jnp.float32) * qscale).astype(dtype)
 
-    def store_logits(s_ref, col, s):
-        if s_ref.shape[0] == Gp:
-            s_ref[:, pl.ds(col, s.shape[1])] = s
-        else:  # only the real group rows (GPU: padded rows never reach memory)
+    def store_rows(ref, lead, cols, x):
+        """``ref[*lead, :, cols] = x`` for the real group rows only (on the GPU the
+        padded rows never reach memory; interpret mode stores them all)."""
+        stored = ref.shape[len(lead)]
+        if stored == Gp:
+            ref[(*lead, slice(None), cols)] = x
+        else:
             from jax.experimental.pallas import triton as plgpu
 
-            rows = jnp.minimum(row_iota, s_ref.shape[0] - 1)
-            mask = lax.broadcasted_iota(jnp.int32, s.shape, 0) < s_ref.shape[0]
-            plgpu.store(s_ref.at[rows, pl.ds(col, s.shape[1])], s, mask=mask)
+            rows = jnp.minimum(row_iota, stored - 1)
+            mask = lax.broadcasted_iota(jnp.int32, x.shape, 0) < stored
+            plgpu.store(ref.at[(*lead, rows, cols)], x, mask=mask)
+
+    def store_logits(s_ref, col, s):
+        store_rows(s_ref, (s_i, h_i), pl.ds(col, s.shape[1]), s)
 
     def rescale(s, carry):
         """Raise the running max to this page's only when it grew by more than
@@ -216,15 +229,14 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
             return grow(None)
         return lax.cond(jnp.max(m_next - m_prev) > RESCALE_SLACK, grow, lambda _: carry, None)
 
-    def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry):
+    def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry, offset):
         k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
         cap = fmt.slots
-        n_tok = ntok_ref[0]
-        # Splits share the row's own pages (not the static width) evenly.
+        n_tok = ntok_ref[s_i, h_i]
         row_pages = (n_tok + cap - 1) // cap
-        per_split = (row_pages + cfg.num_splits - 1) // cfg.num_splits
-        first = split * per_split
-        last = jnp.minimum(first + per_split, row_pages)
+        # The item's pages of this tier: [begin, end) shifted past the earlier tiers.
+        first = jnp.clip(begin - offset, 0, row_pages)
+        last = jnp.clip(end - offset, 0, row_pages)
         col_iota = lax.broadcasted_iota(jnp.int32, (cap,), 0)
 
         if fmt.quantized:
@@ -238,7 +250,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
             q_full = q_part(0, D, pdt)
 
         def body(j, carry):
-            page = pages_ref[j]
+            page = pages_ref[s_i, h_i, j]
             valid = j * cap + col_iota < n_tok
             if fmt.quantized:
                 kb = k_ref[page, pl.ds(0, cap), :]  # [cap, kw] codes
@@ -280,46 +292,123 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
                     out[i] = out[i] + backend.dot(pv, vp, trans_b=True)
             return out, m, l, r, z
 
-        return lax.fori_loop(first, jnp.maximum(last, first), body, carry)
+        return lax.fori_loop(first, last, body, carry), offset + row_pages
 
     carry = ([jnp.zeros((Gp, w), jnp.float32)] * parts, jnp.full((Gp,), NEG_INF, jnp.float32),
              jnp.zeros((Gp,), jnp.float32), jnp.zeros((Gp, RW), jnp.float32),
              jnp.zeros((Gp,), jnp.float32))
+    offset = jnp.int32(0)
     for t, fmt in enumerate(tiers):
-        carry = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
-                          s_refs[t] if s_refs else None, carry)
+        carry, offset = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
+                                  s_refs[t] if s_refs else None, carry, offset)
     accs, m, l, r, z = carry
     # Every tier's values carry the same offset terms: o = acc - 1024 R + Z (every
     # column of the R tile holds the same row sums).
     corr_o = z - MAGIC * jnp.max(r, axis=1) if magic else z
     for i, o in enumerate(accs):
-        o_ref[:, pl.ds(i * w, w)] = o + corr_o[:, None]
+        store_rows(o_ref, (), pl.ds(i * w, w), o + corr_o[:, None])
     m_ref[...] = m * LN2  # natural units outside the kernel
     l_ref[...] = l
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["items", "seg"],
+                   meta_fields=["num_rows"])
+@dataclasses.dataclass(frozen=True)
+class WorkList:
+    """The work items of one launch: one program per item.
+
+    ``items [N, 4]`` int32 ``(s, h, begin, end)``: item ``w`` attends row ``(s, h)``
+    over pages ``[begin, end)`` of the row's tiers laid end to end (its high pages,
+    then its low pages); ``seg [N]`` is ``s * H + h``, or ``num_rows`` (``S * H``) for
+    an unused item (``begin == end``), which the merge drops.
+    """
+
+    items: jax.Array
+    seg: jax.Array
+    num_rows: int
+
+    @property
+    def size(self) -> int:
+        return self.items.shape[0]
+
+
+def row_pages(tiers: Sequence[TierInput], active=None):
+    """Pages of each row, all tiers together ``[S, H]`` (0 where not ``active [S]``)."""
+    total = sum((t.n_tok.astype(jnp.int32) + t.fmt.slots - 1) // t.fmt.slots for t in tiers)
+    return total if active is None else jnp.where(active[:, None], total, 0)
+
+
+def plan_work(pages, num_items: int, *, min_pages: int = 2) -> WorkList:
+    """Balanced work items over the rows' pages ``[S, H]`` (:func:`row_pages`), on the
+    device.
+
+    Every item gets at most ``C`` consecutive pages of one row, where ``C`` is the
+    smallest count (>= ``min_pages``) with which the rows' pages fit in
+    ``num_items`` items: long and short rows then cost the same per program and
+    no program waits for the longest row, whatever the mix of lengths. Rows with
+    no pages get no item. Needs ``num_items > S * H``.
+    """
+    S, H = pages.shape
+    if num_items <= S * H:
+        raise ValueError(f"{num_items} work items for {S * H} rows: need more items than rows")
+    flat = pages.reshape(-1).astype(jnp.int32)
+    total, rows = jnp.sum(flat), jnp.sum(flat > 0)
+    # sum(ceil(n / C)) <= total / C + rows <= num_items by this choice of C.
+    per_item = jnp.maximum(-(-total // jnp.maximum(num_items - rows, 1)), min_pages)
+    count = -(-flat // per_item)
+    ends = jnp.cumsum(count)
+    w = jnp.arange(num_items, dtype=jnp.int32)
+    # Which row item w belongs to: rows whose items end at or before it (a compare
+    # of all pairs: one fused kernel, no loop on the GPU).
+    seg = jnp.sum((ends[None, :] <= w[:, None]).astype(jnp.int32), axis=1)
+    used = seg < S * H
+    row = jnp.minimum(seg, S * H - 1)
+    begin = (w - (ends[row] - count[row])) * per_item
+    end = jnp.minimum(begin + per_item, flat[row])
+    items = jnp.stack([row // H, row % H, jnp.where(used, begin, 0), jnp.where(used, end, 0)],
+                      axis=-1).astype(jnp.int32)
+    return WorkList(items, jnp.where(used, seg, S * H).astype(jnp.int32), S * H)
+
+
+def even_work(tiers: Sequence[TierInput], num_splits: int) -> WorkList:
+    """``num_splits`` items per row, sharing its pages evenly (items in ``(s, h, k)``
+    order)."""
+    S, H = tiers[0].n_tok.shape
+    K = num_splits
+    pages = row_pages(tiers)[..., None]
+    per = -(-pages // K)
+    begin = jnp.minimum(jnp.arange(K) * per, pages)
+    end = jnp.minimum(begin + per, pages)
+    s_i, h_i, _ = jnp.meshgrid(jnp.arange(S), jnp.arange(H), jnp.arange(K), indexing="ij")
+    items = jnp.stack([s_i, h_i, begin, end], axis=-1).reshape(S * H * K, 4).astype(jnp.int32)
+    return WorkList(items, (s_i * H + h_i).reshape(-1).astype(jnp.int32), S * H)
+
+
 def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = None,
-                          cfg: LaunchConfig = LaunchConfig(), interpret: bool | None = None):
+                          cfg: LaunchConfig = LaunchConfig(), work: WorkList | None = None,
+                          interpret: bool | None = None):
     """Partial attention of ``q`` over every tier of each row, one launch.
 
     Args:
       q: ``[S, H, Gp, D]`` queries grouped by KV head (``Gp`` padded to a multiple of
         16 on the GPU, see :func:`pad_group`).
-      tiers: the tiers of each row, in the order their pages are walked. A row's
-        pages of each tier are shared evenly among the ``cfg.num_splits`` splits.
-      group: real query rows per KV head (<= ``Gp``; default ``Gp``); logits hold
-        these rows only.
+      tiers: the tiers of each row, in the order their pages are walked.
+      group: real query rows per KV head (<= ``Gp``; default ``Gp``); the outputs
+        hold these rows only.
+      work: the launch's work items (e.g. :func:`plan_work` of :func:`row_pages`); None: ``cfg.num_splits``
+        items per row sharing its pages evenly (:func:`even_work`).
     Returns:
-      ``o [S, H, K, Gp, D]``, ``m, l [S, H, K, Gp]`` (float32, K = num_splits; m in
-      natural units) and per tier ``logits [S, H, group, NP * slots]`` in log2 units
-      (slots >= n_tok hold garbage and must be masked by the caller; None when
+      With ``work``: per item ``o [N, G, D]``, ``m, l [N, G]`` (merge them with
+      :func:`merge_work`); without: ``o [S, H, K, G, D]``, ``m, l [S, H, K, G]``
+      (K = num_splits, merge with :func:`merge_partials`). Float32, m in natural
+      units. Then per tier ``logits [S, H, G, NP * slots]`` in log2 units (slots
+      >= n_tok hold garbage and must be masked by the caller; None when
       ``cfg.emit_logits`` is False).
     """
     if interpret is None:
         interpret = backend.default_interpret()
     S, H, Gp, D = q.shape
     G = Gp if group is None else group
-    K = cfg.num_splits
     if D % 16:
         raise ValueError("head_dim must be a multiple of 16")
     if any(t.fmt.quantized for t in tiers) and not all(t.fmt.quantized for t in tiers):
@@ -328,49 +417,90 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
         if not interpret and t.fmt.slots < 16:
             raise ValueError(f"pages of {t.fmt.slots} tokens: the GPU kernel needs >= 16 "
                              "tokens per page (its smallest dot tile)")
+        parts = 8 // t.fmt.v_bits if t.fmt.quantized else 1
+        if not interpret and D // parts < 16:
+            raise ValueError(f"head_dim {D} with {t.fmt.v_bits}-bit values: the GPU kernel "
+                             f"needs head_dim >= {16 * parts} (its output slices of "
+                             "head_dim * v_bits / 8 columns must fill a 16-wide dot tile)")
         for pool in (t.keys, t.values):
             if not addressable(pool.size, pool.dtype.itemsize):
                 raise ValueError(f"a pool of {pool.size} elements of {pool.dtype.itemsize} "
                                  "bytes cannot be addressed by one kernel launch (32-bit "
                                  "offsets); use a pool of at most 2^31 elements or over 4 GiB")
-    whole = lambda a: pl.BlockSpec(a.shape, lambda s, h, k: (0,) * a.ndim)  # noqa: E731
-    row = lambda a: pl.BlockSpec((None, None, a.shape[-1]), lambda s, h, k: (s, h, 0))  # noqa
+    listed = work is not None
+    if not listed:
+        work = even_work(tiers, cfg.num_splits)
+    N = work.size
+    whole = lambda a: pl.BlockSpec(a.shape, lambda w: (0,) * a.ndim)  # noqa: E731
     dummy = jnp.zeros((1, 1), jnp.uint32)
-    args, in_specs = [q], [pl.BlockSpec((None, None, Gp, D), lambda s, h, k: (s, h, 0, 0))]
+    args = [work.items, q]
     for t in tiers:
         meta = list(t.meta) if t.fmt.quantized else [dummy] * 2
-        ntok = t.n_tok.astype(jnp.int32)[..., None]
-        args += [t.keys, t.values, *meta, t.pages.astype(jnp.int32), ntok]
-        in_specs += [whole(t.keys), whole(t.values), *[whole(a) for a in meta], row(t.pages),
-                     row(ntok)]
+        args += [t.keys, t.values, *meta, t.pages.astype(jnp.int32), t.n_tok.astype(jnp.int32)]
+    in_specs = [whole(a) for a in args]
     # Interpret mode stores every row and slices outside (its masked stores need
     # slices only); on the GPU padded rows are masked off in the kernel.
-    store_rows = Gp if interpret else G
-    out_shape = [jax.ShapeDtypeStruct((S, H, K, Gp, D), jnp.float32),
-                 jax.ShapeDtypeStruct((S, H, K, Gp), jnp.float32),
-                 jax.ShapeDtypeStruct((S, H, K, Gp), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, None, Gp, D), lambda s, h, k: (s, h, k, 0, 0)),
-                 pl.BlockSpec((None, None, None, Gp), lambda s, h, k: (s, h, k, 0)),
-                 pl.BlockSpec((None, None, None, Gp), lambda s, h, k: (s, h, k, 0))]
+    rows = Gp if interpret else G
+    out_shape = [jax.ShapeDtypeStruct((N, rows, D), jnp.float32),
+                 jax.ShapeDtypeStruct((N, Gp), jnp.float32),
+                 jax.ShapeDtypeStruct((N, Gp), jnp.float32)]
+    out_specs = [pl.BlockSpec((None, rows, D), lambda w: (w, 0, 0)),
+                 pl.BlockSpec((None, Gp), lambda w: (w, 0)),
+                 pl.BlockSpec((None, Gp), lambda w: (w, 0))]
     if cfg.emit_logits:
         for t in tiers:
-            cols = t.pages.shape[-1] * t.fmt.slots
-            out_shape.append(jax.ShapeDtypeStruct((S, H, store_rows, cols), jnp.float32))
-            out_specs.append(pl.BlockSpec((None, None, store_rows, cols),
-                                          lambda s, h, k: (s, h, 0, 0)))
+            shape = (S, H, rows, t.pages.shape[-1] * t.fmt.slots)
+            out_shape.append(jax.ShapeDtypeStruct(shape, jnp.float32))
+            out_specs.append(pl.BlockSpec(shape, lambda w: (0, 0, 0, 0)))
     kernel = functools.partial(_kernel, tiers=tuple(t.fmt for t in tiers), cfg=cfg,
                                interpret=interpret)
     name = "paged_decode_" + "_".join(f"k{t.fmt.k_bits}v{t.fmt.v_bits}" for t in tiers)
     outs = pl.pallas_call(
-        kernel, grid=(S, H, K), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        kernel, grid=(N,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=interpret,
         compiler_params=None if interpret else backend.compiler_params(cfg.num_warps,
                                                                        cfg.num_stages),
         name=name,
     )(*args)
-    o, m, l = outs[:3]
+    o, m, l = outs[0][:, :G], outs[1][:, :G], outs[2][:, :G]
     logits = [x[:, :, :G] for x in outs[3:]] if cfg.emit_logits else [None] * len(tiers)
+    if not listed:
+        K = cfg.num_splits
+        o, m, l = o.reshape(S, H, K, G, D), m.reshape(S, H, K, G), l.reshape(S, H, K, G)
     return o, m, l, logits
+
+
+def merge_work(o, m, l, work: WorkList, S: int, H: int, extra=None):
+    """Exact merge of the items of a :class:`WorkList` (flash-decoding), per row.
+
+    Args:
+      o, m, l: ``[N, G, D]``, ``[N, G]``, ``[N, G]`` from :func:`paged_decode_partials`.
+      extra: optional ``(o [S,H,G,D], m [S,H,G], l [S,H,G])`` for one more source
+        (e.g. the token being decoded, with ``l = 1``).
+    Returns:
+      ``(out [S,H,G,D], M [S,H,G], L [S,H,G])`` as :func:`merge_partials`.
+    """
+    G, D = o.shape[1], o.shape[2]
+    R = S * H
+    seg = work.seg
+    # Unused items fall in segment R, whose max is 0: their weights are exp(-huge) = 0.
+    M = jax.ops.segment_max(m, seg, num_segments=R + 1, indices_are_sorted=True)
+    M = jnp.maximum(M, NEG_INF).at[R].set(0.0)
+    if extra is not None:  # the extra source may carry padded group rows
+        extra = [x[:, :, :G] for x in extra]
+        M = M.at[:R].max(extra[1].reshape(R, G))
+    c = jnp.exp(m - M[seg])
+    L = jax.ops.segment_sum(l * c, seg, num_segments=R + 1, indices_are_sorted=True)[:R]
+    O = jax.ops.segment_sum(o * c[..., None], seg, num_segments=R + 1,
+                            indices_are_sorted=True)[:R]
+    M = M[:R]
+    if extra is not None:
+        ce = jnp.exp(extra[1].reshape(R, G) - M)
+        L = L + extra[2].reshape(R, G) * ce
+        O = O + extra[0].reshape(R, G, D) * ce[..., None]
+    # Rows without items or extra (inactive rows) come out as zeros.
+    out = O / jnp.where(L > 0, L, 1.0)[..., None]
+    return out.reshape(S, H, G, D), M.reshape(S, H, G), L.reshape(S, H, G)
 
 
 def addressable(elements: int, itemsize: int) -> bool:
@@ -404,9 +534,10 @@ def merge_partials(parts, extra=None):
     ms = [p[1] for p in parts]
     ls = [p[2] for p in parts]
     if extra is not None:
-        os.append(extra[0][:, :, None])
-        ms.append(extra[1][:, :, None])
-        ls.append(extra[2][:, :, None])
+        G = os[0].shape[3]  # the extra source may carry padded group rows
+        os.append(extra[0][:, :, None, :G])
+        ms.append(extra[1][:, :, None, :G])
+        ls.append(extra[2][:, :, None, :G])
     o = jnp.concatenate(os, axis=2)
     m = jnp.concatenate(ms, axis=2)
     l = jnp.concatenate(ls, axis=2)

@@ -37,6 +37,9 @@ from pallas_kernels import backend
 from pallas_kernels.paged_decode import LOG2E
 
 BIG = 2**30
+#: Programs per row on the GPU: a long row's pages are shared by this many, so the
+#: launch does not wait for one program to walk the longest row alone.
+SPLITS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,10 @@ def _lexmin(key, tie, slot, eligible, axis=None):
     return kmin, tmin, smin
 
 
+def _lanes_len(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
 def no_victims(S: int, H: int):
     """The victims of a tier a row cannot hold: none (slot -1)."""
     return (jnp.full((S, H), -1, jnp.int32), jnp.full((S, H), jnp.inf),
@@ -79,7 +86,7 @@ def no_victims(S: int, H: int):
 
 
 def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimRule,
-            group: int, block: int, interpret: bool):
+            group: int, block: int, splits: int, interpret: bool):
     n_t = len(caps)
     m_ref, l_ref, row_ref, pos_ref, sc_in = refs[:5]
     lg_refs, page_refs = refs[5:5 + n_t], refs[5 + n_t:5 + 2 * n_t]
@@ -93,6 +100,7 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
     rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (Gq,), 0), group - 1)
     M2, L = m_ref[rows], l_ref[rows]
     inv_l = 1.0 / L
+    split = pl.program_id(2)
     ints, floats = [], []
     for t, (cap, width) in enumerate(zip(caps, widths)):
         lg_ref, pages_ref = lg_refs[t], page_refs[t]
@@ -134,27 +142,38 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
                     jnp.where(better, smin, bs), jnp.where(better, pmin, bp),
                     jnp.where(better, scmin, bsc))
 
+        # This split's share of the row's steps (splits of a long row run in parallel).
         steps = (n_tok[t] + n - 1) // n
+        per = (steps + splits - 1) // splits
+        first = jnp.minimum(split * per, steps)
         init = (jnp.float32(jnp.inf), jnp.int32(BIG), jnp.int32(BIG), jnp.int32(0),
                 jnp.float32(0.0))
-        bk, bt, bs, bp, bsc = lax.fori_loop(0, steps, body, init)
-        found = bs < BIG
-        ints += [jnp.where(found, bs, -1), bp]
+        bk, bt, bs, bp, bsc = lax.fori_loop(first, jnp.minimum(first + per, steps), body, init)
+        ints += [bs, bt, bp]
         floats += [bk, bsc]
-    out_lane = lax.broadcasted_iota(jnp.int32, (2 * n_t,), 0)
-    vi, vf = jnp.zeros((2 * n_t,), jnp.int32), jnp.zeros((2 * n_t,), jnp.float32)
-    for i, (a, b) in enumerate(zip(ints, floats)):
-        vi = jnp.where(out_lane == i, a, vi)
-        vf = jnp.where(out_lane == i, b, vf)
+    # Partial victims of this split: ints (slot, tie, pos), floats (key, score) per tier.
+    vi = _lanes(ints, jnp.int32)
+    vf = _lanes(floats, jnp.float32)
     vi_ref[...] = vi
     vf_ref[...] = vf
+
+
+def _lanes(values, dtype):
+    """Scalars as one vector (the Triton lowering stores vectors, not scalars, of a
+    power-of-two length: padded with zeros)."""
+    n = _lanes_len(len(values))
+    lane = lax.broadcasted_iota(jnp.int32, (n,), 0)
+    out = jnp.zeros((n,), dtype)
+    for i, v in enumerate(values):
+        out = jnp.where(lane == i, v, out)
+    return out
 
 
 def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
                   n_tok: Sequence[jax.Array], cur, prompt_len, scores, positions, *,
                   caps: Sequence[int], group: int, rule: VictimRule = VictimRule(),
-                  block: int = 512, num_warps: int = 4, num_stages: int = 2,
-                  interpret: bool | None = None):
+                  block: int = 512, splits: int | None = None, num_warps: int = 4,
+                  num_stages: int = 2, interpret: bool | None = None):
     """Add this step's probabilities to the scores and find each row's victims.
 
     Args:
@@ -167,6 +186,8 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
       scores, positions: the ``[P, >= max(caps)]`` side arrays (scores are updated
         in place when donated).
       block: tokens a program handles per step (whole pages, gathered by page ID).
+      splits: programs per row, each over an equal share of the row's steps (their
+        victims are merged after the launch); default 4 on the GPU, 1 otherwise.
     Returns:
       ``(scores, victims)``; ``victims`` per tier ``(slot, key, pos, score)``, each
       ``[S, H]``: the victim's slot in the row's tier (-1 when none is eligible),
@@ -174,35 +195,48 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
     """
     if interpret is None:
         interpret = backend.default_interpret()
+    if splits is None:
+        splits = 1 if interpret else SPLITS
     S, H = n_tok[0].shape
     n_t = len(caps)
+    K = splits
     M2 = (M[:, :, :group] * LOG2E).astype(jnp.float32)
     Lg = L[:, :, :group].astype(jnp.float32)
     row = jnp.stack([*[n.astype(jnp.int32) for n in n_tok],
                      jnp.broadcast_to(cur[:, None], (S, H)).astype(jnp.int32),
                      jnp.broadcast_to(prompt_len[:, None], (S, H)).astype(jnp.int32)], -1)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda s, h: (0,) * a.ndim)  # noqa: E731
+    whole = lambda a: pl.BlockSpec(a.shape, lambda s, h, k: (0,) * a.ndim)  # noqa: E731
     per_row = lambda a: pl.BlockSpec((None, None) + a.shape[2:],  # noqa: E731
-                                     lambda s, h: (s, h) + (0,) * (a.ndim - 2))
+                                     lambda s, h, k: (s, h) + (0,) * (a.ndim - 2))
     args = [M2, Lg, row, positions, scores, *logits, *[p.astype(jnp.int32) for p in pages]]
     in_specs = [per_row(M2), per_row(Lg), per_row(row), whole(positions), whole(scores),
                 *[per_row(x) for x in logits], *[per_row(p) for p in pages]]
+    n_int, n_float = _lanes_len(3 * n_t), _lanes_len(2 * n_t)
     out_shape = [jax.ShapeDtypeStruct(scores.shape, scores.dtype),
-                 jax.ShapeDtypeStruct((S, H, 2 * n_t), jnp.int32),
-                 jax.ShapeDtypeStruct((S, H, 2 * n_t), jnp.float32)]
-    out_specs = [whole(scores), pl.BlockSpec((None, None, 2 * n_t), lambda s, h: (s, h, 0)),
-                 pl.BlockSpec((None, None, 2 * n_t), lambda s, h: (s, h, 0))]
+                 jax.ShapeDtypeStruct((S, H, K, n_int), jnp.int32),
+                 jax.ShapeDtypeStruct((S, H, K, n_float), jnp.float32)]
+    split_out = lambda w: pl.BlockSpec((None, None, None, w), lambda s, h, k: (s, h, k, 0))  # noqa
+    out_specs = [whole(scores), split_out(n_int), split_out(n_float)]
     kernel = functools.partial(_kernel, caps=tuple(caps),
                                widths=tuple(p.shape[-1] for p in pages), rule=rule, group=group,
-                               block=block, interpret=interpret)
+                               block=block, splits=K, interpret=interpret)
     new_scores, vi, vf = pl.pallas_call(
-        kernel, grid=(S, H), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        kernel, grid=(S, H, K), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={4: 0}, interpret=interpret,
         compiler_params=None if interpret else backend.compiler_params(num_warps, num_stages),
         name="policy_scores",
     )(*args)
-    victims = [(vi[..., 2 * t], vf[..., 2 * t], vi[..., 2 * t + 1], vf[..., 2 * t + 1])
-               for t in range(n_t)]
+    victims = []
+    for t in range(n_t):
+        slot, tie, pos = vi[..., 3 * t], vi[..., 3 * t + 1], vi[..., 3 * t + 2]
+        key, score = vf[..., 2 * t], vf[..., 2 * t + 1]
+        # The row's victim: the lexicographic minimum over its splits' victims.
+        kmin, _, smin = _lexmin(key, tie, slot, slot < BIG, axis=-1)
+        pick = slot == smin[..., None]
+        found = smin < BIG
+        victims.append((jnp.where(found, smin, -1), kmin[..., 0],
+                        jnp.sum(jnp.where(pick, pos, 0), axis=-1),
+                        jnp.sum(jnp.where(pick, score, 0.0), axis=-1)))
     return new_scores, victims
 
 

@@ -10,9 +10,9 @@ Variants (same logical KV: ``context`` tokens per (sequence, KV head)):
 * ``diffkv-50/50``: half the tokens K8V4, half K4V2;
 * ``diffkv-mix``: 35% K8V4, 45% K4V2, 20% pruned.
 
-Our variants run the kernel as the caches do (splits for small batches, the
-policy's logits emitted for the DiffKV tiers), plus the exact merge of the
-splits. Bytes read = K/V data + metadata + page IDs. Each variant is checked
+Our variants run the kernel as the caches do (balanced work items planned on
+the device, the policy's logits emitted for the DiffKV tiers), plus the exact
+merge of the items. Bytes read = K/V data + metadata + page IDs. Each variant is checked
 against the plain-jnp reference on two rows of the same geometry first.
 
     python scripts/bench_attention.py                     # the full grid
@@ -44,7 +44,7 @@ def main() -> int:
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
-    from diffkv_jax.diffkv_kernel_attention import _launch
+    from diffkv_jax.diffkv_kernel_attention import _launch, work_items
     from pallas_kernels import paged_decode as pdk
     from scripts.decode_cases import (SHAPES, case_reference, copy_bandwidth, random_case,
                                       time_ms)
@@ -71,13 +71,14 @@ def main() -> int:
         mix = "bf16" if v == "ours-bf16" else v
         tiers, nbytes = random_case(jax.random.fold_in(key, index), mix, S, H, D,
                                     N)
-        widths = max(t.pages.shape[-1] for t in tiers)
-        cfg = _launch(S, H, widths, emit_logits=mix.startswith("diffkv"))
+        cfg = _launch(emit_logits=mix.startswith("diffkv"))
 
         @jax.jit
         def ours(qg, tiers, cfg=cfg):
-            o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg)
-            return pdk.merge_partials([(o, m, l)])[0], logits
+            rows = qg.shape[0]
+            work = pdk.plan_work(pdk.row_pages(tiers), work_items(rows, H))
+            o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg, work=work)
+            return pdk.merge_work(o, m, l, work, rows, H)[0], logits
 
         small, _ = random_case(jax.random.fold_in(key, 99), mix, 2, H, D,
                                min(N, 2048))

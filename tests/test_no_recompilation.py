@@ -101,40 +101,52 @@ def test_kernel_decode_compiles_one_width_bucket(tiny_model):
         assert all(w & (w - 1) == 0 or w == ref.row_len for w in widths)
 
 
-def test_active_bound_buckets_are_few_and_cover_the_batch(tiny_model):
-    """The Pallas path buckets the active rows (the kernels size their splits by the
-    bound): powers of two from 1/16 of the slots up to all of them, never below
-    the rows that decode; the reference gets one variant (0)."""
-    from diffkv_jax.generation import active_bound
+def test_kernel_work_lists_cover_the_active_rows_of_every_layer(tiny_model):
+    """The Pallas path sizes its attention launches on the device (no shape bucket
+    for the number of active rows): every layer's work items cover exactly the
+    pages of the active rows, and a few long rows split into many items."""
+    from diffkv_jax.diffkv_kernel_attention import plan_decode_work
     from diffkv_jax.methods import make_method
+    from diffkv_jax.steps import CompiledSteps
 
-    cfg, _ = tiny_model
-    ker = make_method("full", cfg, max_seqs=128, max_context=256, dtype=jnp.float32,
-                      attention_impl="pallas")
-    ref = make_method("full", cfg, max_seqs=128, max_context=256, dtype=jnp.float32)
-    bounds = {n: active_bound(ker, n) for n in range(1, 129)}
-    assert set(bounds.values()) == {8, 16, 32, 64, 128}
-    assert all(b >= n for n, b in bounds.items())
-    assert {active_bound(ref, n) for n in range(1, 129)} == {0}
-
-
-def test_fewer_active_rows_split_rows_further():
-    """Only active rows keep the GPU busy (inactive rows' programs exit at once), so
-    the split count grows as the bound on active rows shrinks, up to the pages."""
-    from diffkv_jax.diffkv_kernel_attention import TARGET_PROGRAMS, _splits
-
-    H, pages = 8, 280
-    ks = [_splits(rows, H, pages) for rows in (128, 64, 32, 16, 8)]
-    assert ks == sorted(ks) and ks[0] == 1 and ks[-1] > 4
-    for rows, k in zip((128, 64, 32, 16, 8), ks):
-        assert rows * H * k >= TARGET_PROGRAMS or 2 * k > pages
-    assert _splits(1, H, 2) == 2  # never more splits than pages
+    cfg, params = tiny_model
+    S, T = 16, 200
+    m = make_method("diffkv", cfg, max_seqs=S, max_context=T + 8, dtype=jnp.float32,
+                    attention_impl="pallas")
+    steps = CompiledSteps(cfg, m, jnp.float32)
+    rng = np.random.default_rng(0)
+    slots = np.asarray([2, 9, 11], np.int32)
+    lens = np.asarray([T, 130, 41], np.int32)
+    toks = rng.integers(0, cfg.vocab_size, size=(3, T)).astype(np.int32)
+    state = m.init_state(S * m.pages_for_tokens(T + 8))
+    state, _ = steps.prefill(params, state, PrefillBatch(jnp.asarray(toks), jnp.asarray(lens),
+                                                         jnp.asarray(slots)))
+    active = np.zeros(S, bool)
+    active[slots[:2]] = True  # slot 11 holds tokens but does not decode
+    work = plan_decode_work(m, state, jnp.asarray(active))
+    items, seg = np.asarray(work.items), np.asarray(work.seg)
+    n_tok = np.asarray(state.n_tok)
+    H = m.num_kv_heads
+    assert items.shape[0] == cfg.num_layers
+    for layer in range(cfg.num_layers):
+        for s in range(S):
+            for h in range(H):
+                pages = 0
+                if active[s]:
+                    pages = sum(-(-n_tok[s, layer, h, t] // m.cap(t)) for t in (0, 1))
+                mine = items[layer][seg[layer] == s * H + h]
+                covered = np.zeros(pages, int)
+                for _, _, b, e in mine:
+                    covered[b:e] += 1
+                assert np.all(covered == 1) and (len(mine) > 0) == (pages > 0)
+                if active[s] and s == slots[0]:
+                    assert len(mine) > 1  # the long row is split
 
 
 def test_decode_buckets_cover_every_step_shape(tiny_model):
-    """Warm-up compiles :func:`decode_buckets`; every (width, bound) a step can be given
-    is among them, on both attention paths."""
-    from diffkv_jax.generation import active_bound, decode_buckets, decode_width
+    """Warm-up compiles :func:`decode_buckets`; every width a step can be given is
+    among them, on both attention paths (one on the Pallas path)."""
+    from diffkv_jax.generation import decode_buckets, decode_width
     from diffkv_jax.methods import make_method
 
     cfg, _ = tiny_model
@@ -142,10 +154,9 @@ def test_decode_buckets_cover_every_step_shape(tiny_model):
         m = make_method("diffkv", cfg, max_seqs=64, max_context=300, dtype=jnp.float32,
                         attention_impl=impl)
         buckets = set(decode_buckets(m))
-        seen = {(decode_width(m, t), active_bound(m, n))
-                for t in range(1, 301) for n in range(1, 65)}
-        assert seen <= buckets
-        assert len(buckets) == len(seen)  # nothing compiled that no step uses
+        seen = {decode_width(m, t) for t in range(1, 301)}
+        assert seen == buckets  # nothing compiled that no step uses
+        assert len(buckets) == 1 if impl == "pallas" else len(buckets) > 1
 
 
 def test_engine_after_warm_up_compiles_no_decode_step(tiny_model):

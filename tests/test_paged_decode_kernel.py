@@ -1,7 +1,8 @@
 """The Pallas paged decode kernel against its plain-jnp reference.
 
 Random codes, metadata, page tables and ragged lengths (empty rows included),
-every tier format, one or two tiers per launch, 1 - 4 splits: in interpret
+every tier format, one or two tiers per launch, 1 - 4 even splits or balanced
+work lists (inactive rows skipped): in interpret
 mode on the CPU and, marked ``gpu``, compiled on the GPU.
 """
 
@@ -55,9 +56,11 @@ TIER_SETS = {
 
 
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
-                 seed=0):
+                 seed=0, work_items=None):
+    """``work_items``: launch over :func:`pdk.plan_work` items (rows 1 and 4 inactive)
+    instead of ``splits`` even splits per row."""
     rng = np.random.default_rng(seed)
-    S, H, P, NP = 3, 2, 24, 3
+    S, H, P, NP = (3, 2, 24, 3) if work_items is None else (5, 2, 40, 5)
     tiers, refs = [], []
     for kb, vb, cap in TIER_SETS[tier_set]:
         tier, kh, vh = make_tier(rng, pdk.TierFormat(kb, vb, D, cap), P, S, H, NP)
@@ -66,23 +69,33 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
     q = jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32)
     cfg = pdk.LaunchConfig(num_splits=splits, dot_dtype=dot_dtype, lazy_rescale=lazy)
     qk = q if pad is None else pdk.pad_group(q, pad)
-    o, m, l, logits = pdk.paged_decode_partials(qk, tiers, group=G, cfg=cfg,
+    active = np.ones(S, bool)
+    work = None
+    if work_items is not None:
+        active[[1, 4]] = False
+        work = pdk.plan_work(pdk.row_pages(tiers, jnp.asarray(active)), work_items)
+    o, m, l, logits = pdk.paged_decode_partials(qk, tiers, group=G, cfg=cfg, work=work,
                                                 interpret=interpret)
-    o, m, l = o[:, :, :, :G], m[..., :G], l[..., :G]
+    assert o.shape[-2] == G and m.shape[-1] == G and l.shape[-1] == G
     ref = [pdk.tier_attention_reference(q, kh, vh, nt) for kh, vh, nt in refs]
     # An extra always-present source (like the token being decoded) keeps rows defined.
     extra = (jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32),
              jnp.asarray(rng.normal(size=(S, H, G)), jnp.float32), jnp.ones((S, H, G)))
-    out, M, L = pdk.merge_partials([(o, m, l)], extra)
+    if work is None:
+        out, M, L = pdk.merge_partials([(o, m, l)], extra)
+    else:
+        out, M, L = pdk.merge_work(o, m, l, work, S, H, extra)
     rout, rM, rL = pdk.merge_partials([r[:3] for r in ref], extra)
-    assert np.isfinite(np.asarray(out)).all()
-    scale = float(np.abs(np.asarray(rout)).max())
-    assert np.abs(np.asarray(out) - np.asarray(rout)).max() <= tol * scale
+    out, M, L, rout, rM, rL = (np.asarray(x)[active] for x in (out, M, L, rout, rM, rL))
+    assert np.isfinite(out).all()
+    scale = float(np.abs(rout).max())
+    assert np.abs(out - rout).max() <= tol * scale
     for lg, r, (_, _, nt) in zip(logits, ref, refs):
         assert lg.shape[2] == G
-        valid = np.arange(lg.shape[-1])[None, None, :] < np.asarray(nt)[..., None]
+        lg, r3 = np.asarray(lg)[active], np.asarray(r[3])[active]
+        valid = np.arange(lg.shape[-1])[None, None, :] < np.asarray(nt)[active][..., None]
         p = pdk.group_max_probabilities(lg, M, L, G)
-        rp = pdk.group_max_probabilities(r[3], rM, rL, G)
+        rp = pdk.group_max_probabilities(r3, rM, rL, G)
         err = np.abs(np.where(valid, p, 0) - np.where(valid, rp, 0)).max()
         assert err <= tol * 10 * float(np.asarray(rp).max())
 
@@ -101,6 +114,52 @@ def test_magic_code_conversion_matches_reference(tier_set, D, G, splits):
     # float16 dots take the magic path (codes as float16 1024 + c, q and p * scale
     # rounded to float16): relative errors around 1e-3 of the output scale.
     check_kernel(tier_set, D, G, splits, interpret=True, dot_dtype="float16", tol=3e-3)
+
+
+@pytest.mark.parametrize("tier_set", ["k8v4+k4v2", "16bit"])
+@pytest.mark.parametrize("work_items", [11, 16, 64])
+def test_work_list_launch_matches_reference(tier_set, work_items):
+    # Balanced items over ragged rows (one to many items per row, inactive rows
+    # skipped), merged per row.
+    check_kernel(tier_set, 64, 3, 1, interpret=True, dot_dtype="float32", tol=1e-4,
+                 work_items=work_items, seed=work_items)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_work_covers_every_page_once_in_balanced_items(seed):
+    rng = np.random.default_rng(seed)
+    S, H = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+    caps = [16, 32]
+    n_tok = [jnp.asarray(rng.integers(0, 300, size=(S, H)), jnp.int32) for _ in caps]
+    if seed == 0:  # one long row among empty ones
+        n_tok = [n.at[:].set(0).at[0, 0].set(299) for n in n_tok]
+    tiers = [pdk.TierInput(pdk.TierFormat(8, 4, 64, c), None, None, None, None, n)
+             for c, n in zip(caps, n_tok)]
+    active = jnp.asarray(rng.random(S) < 0.7)
+    N = S * H + int(rng.integers(1, 50))
+    work = pdk.plan_work(pdk.row_pages(tiers, active), N, min_pages=2)
+    items, seg = np.asarray(work.items), np.asarray(work.seg)
+    pages = sum(-(-np.asarray(n) // c) for n, c in zip(n_tok, caps))
+    pages = np.where(np.asarray(active)[:, None], pages, 0)
+    assert work.size == N and np.all(np.diff(seg) >= 0)
+    longest = 0
+    for s in range(S):
+        for h in range(H):
+            mine = items[seg == s * H + h]
+            assert np.all(mine[:, :2] == [s, h])
+            covered = np.zeros(pages[s, h], int)
+            for _, _, b, e in mine:
+                assert b < e
+                covered[b:e] += 1
+                longest = max(longest, e - b)
+            assert np.all(covered == 1)
+    unused = items[seg == S * H]
+    assert np.all(unused[:, 2] == unused[:, 3])
+    # Items are no longer than the balanced share (or min_pages).
+    rows = int((pages > 0).sum())
+    assert longest <= max(-(-int(pages.sum()) // max(N - rows, 1)), 2)
+    with pytest.raises(ValueError, match="more items than rows"):
+        pdk.plan_work(pdk.row_pages(tiers), S * H)
 
 
 def test_group_padding_does_not_change_results():
@@ -136,6 +195,15 @@ def test_compiled_kernel_matches_reference_on_gpu(tier_set, D, G, splits, lazy):
     # float16 (quantized) or 16-bit pool dtype operands, float32 accumulation.
     check_kernel(tier_set, D, G, splits, interpret=False, dot_dtype="float16", tol=3e-2,
                  lazy=lazy, pad=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier_set", ["k8v4+k4v2", "16bit", "k8v8"])
+@pytest.mark.parametrize("D,G", [(64, 3), (128, 4)])
+@pytest.mark.parametrize("work_items", [11, 64])
+def test_compiled_work_list_launch_matches_reference_on_gpu(tier_set, D, G, work_items):
+    check_kernel(tier_set, D, G, 1, interpret=False, dot_dtype="float16", tol=3e-2, pad=16,
+                 work_items=work_items, seed=work_items)
 
 
 @pytest.mark.gpu

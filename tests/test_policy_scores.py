@@ -34,14 +34,14 @@ def case(rng, caps=(8, 16), S=3, H=2, W=(3, 2), G=3, P=30, slots=16):
     return logits, probs, M, L, pages, n_tok, cur, plen, scores, positions
 
 
-def kernel_and_reference(rng, rule, caps, interpret, **case_args):
+def kernel_and_reference(rng, rule, caps, interpret, splits=None, block=512, **case_args):
     """The kernel's and the reference's ``(scores, victims)`` on one random case (one
     tier for the eviction rules, which keep one), and the scores before."""
     logits, probs, M, L, pages, n_tok, cur, plen, scores, positions = case(rng, caps, **case_args)
     if rule.rule != "diffkv":
         logits, probs, pages, n_tok, caps = logits[:1], probs[:1], pages[:1], n_tok[:1], caps[:1]
     got = score_victims(logits, M, L, pages, n_tok, cur, plen, scores, positions, caps=caps,
-                        group=3, rule=rule, interpret=interpret)
+                        group=3, rule=rule, interpret=interpret, splits=splits, block=block)
     ref = score_victims_reference(probs, pages, n_tok, cur, plen, scores, positions, caps=caps,
                                   rule=rule)
     return got, ref, scores
@@ -51,9 +51,13 @@ def kernel_and_reference(rng, rule, caps, interpret, **case_args):
                                   VictimRule("diffkv", window=8, obs_window=None),
                                   VictimRule("h2o", window=50), VictimRule("streamingllm", sinks=40),
                                   VictimRule("snapkv")])
-def test_kernel_matches_reference(rule):
-    rng = np.random.default_rng(hash(rule.rule) % 1000 + rule.window)
-    (got_s, got_v), (ref_s, ref_v), scores = kernel_and_reference(rng, rule, (8, 16), True)
+@pytest.mark.parametrize("splits,block", [(1, 512), (3, 16)])
+def test_kernel_matches_reference(rule, splits, block):
+    # splits x block: one program per row walking it at once, or three programs per
+    # row walking 16 tokens per step (their victims merged after the launch).
+    rng = np.random.default_rng(hash(rule.rule) % 1000 + rule.window + splits)
+    (got_s, got_v), (ref_s, ref_v), scores = kernel_and_reference(rng, rule, (8, 16), True,
+                                                                  splits=splits, block=block)
     np.testing.assert_allclose(got_s, ref_s, rtol=1e-6, atol=1e-6)
     assert not np.array_equal(np.asarray(got_s), np.asarray(scores))  # something was added
     for g, r in zip(got_v, ref_v):
@@ -90,10 +94,12 @@ def test_inactive_rows_and_foreign_pages_are_untouched():
 @pytest.mark.gpu
 @pytest.mark.parametrize("rule", [VictimRule("diffkv", window=100), VictimRule("h2o", window=50),
                                   VictimRule("streamingllm", sinks=40)])
-def test_compiled_kernel_matches_reference_on_gpu(rule):
+@pytest.mark.parametrize("block", [512, 32])
+def test_compiled_kernel_matches_reference_on_gpu(rule, block):
     rng = np.random.default_rng(11)
     (got_s, got_v), (ref_s, ref_v), _ = kernel_and_reference(rng, rule, (32, 64), False,
-                                                             W=(3, 2), P=40, slots=64)
+                                                             block=block, W=(3, 2), P=40,
+                                                             slots=64)
     # exp2 on the GPU is approximate (a few ulps): scores within 1e-5, victims equal
     # unless two keys are that close.
     np.testing.assert_allclose(got_s, ref_s, rtol=1e-5, atol=1e-6)

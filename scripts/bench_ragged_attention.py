@@ -1,0 +1,144 @@
+#!/usr/bin/env python
+"""Decode attention over an engine-like batch: many slots, some active, ragged lengths.
+
+The serving engine's batch is not the uniform grid of ``bench_attention.py``:
+of ``--slots`` decode slots only ``--active`` decode, at lengths spread
+between ``--min-len`` and ``--max-len`` tokens (long generations in flight).
+This times one layer's launch plus its merge, as the caches run it, two
+ways on the same rows:
+
+* ``even-K``: every slot gets K splits of its own pages (programs of rows with
+  no tokens exit at once);
+* ``work``: balanced work items planned on the device (``plan_work``: items of
+  at most the same number of pages over the active rows only).
+
+Methods: ``bf16`` (the uncompressed cache's 16-token pages) and ``diffkv``
+(``--low-frac`` of each row's tokens K4V2, the rest K8V4, policy logits
+emitted). Llama3-8B head shapes.
+
+    python scripts/bench_ragged_attention.py --slots 128 --active 14,24,45,64
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--slots", type=int, default=128)
+    p.add_argument("--active", default="14,24,45,64")
+    p.add_argument("--min-len", type=int, default=100)
+    p.add_argument("--max-len", type=int, default=4700)
+    p.add_argument("--low-frac", type=float, default=0.14)
+    p.add_argument("--methods", default="bf16,diffkv")
+    p.add_argument("--splits", default="1,2,4,8")
+    p.add_argument("--items", default="",
+                   help="work-item counts to try besides the default (comma-separated)")
+    p.add_argument("--min-pages", type=int, default=2, help="pages per work item at least")
+    p.add_argument("--no-logits", action="store_true",
+                   help="DiffKV without the policy's logits (to see what they cost)")
+    p.add_argument("--json", default="results/bench_ragged_attention.json")
+    args = p.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from diffkv_jax.diffkv_kernel_attention import work_items
+    from pallas_kernels import paged_decode as pdk
+    from scripts.decode_cases import time_ms
+
+    nq, H, D = 32, 8, 128
+    G, S = nq // H, args.slots
+    rows = []
+
+    def case(active: int, method: str, seed: int):
+        rng = np.random.default_rng(seed)
+        lens = np.zeros(S, np.int64)
+        live = rng.choice(S, active, replace=False)
+        lens[live] = rng.integers(args.min_len, args.max_len + 1, active)
+        spec = ([(16, 16, 16, 1.0)] if method == "bf16"
+                else [(8, 4, 32, 1 - args.low_frac), (4, 2, 64, args.low_frac)])
+        tiers, nbytes = [], 0
+        key = jax.random.PRNGKey(seed)
+        for kb, vb, cap, frac in spec:
+            fmt = pdk.TierFormat(kb, vb, D, cap)
+            n = (lens * frac).astype(np.int64)
+            width = -(-args.max_len // cap) + 1
+            P = int((-(-n // cap)).sum()) * H + 1
+            key, a, b, c = jax.random.split(key, 4)
+            pages = jax.random.randint(c, (S, H, width), 0, P, jnp.int32)
+            n_tok = jnp.asarray(np.broadcast_to(n[:, None], (S, H)), jnp.int32)
+            if fmt.quantized:
+                data = jax.random.randint(a, (P, fmt.data_bytes), 0, 256,
+                                          jnp.int32).astype(jnp.uint8)
+                meta = jax.random.uniform(b, (2, P, cap, 2), jnp.float16, 0.01, 0.1)
+                kv, vv = pdk.page_views(data, fmt)
+                metas = tuple(pdk.pack_meta(meta[i, ..., 0], meta[i, ..., 1]) for i in (0, 1))
+                tiers.append(pdk.TierInput(fmt, kv, vv, metas, pages, n_tok))
+                nbytes += int(n.sum()) * H * (fmt.key_width + fmt.value_width + 8)
+            else:
+                k = jax.random.normal(a, (P, cap, D), jnp.bfloat16)
+                v = jax.random.normal(b, (P, cap, D), jnp.bfloat16)
+                tiers.append(pdk.TierInput(fmt, k, v, None, pages, n_tok))
+                nbytes += int(n.sum()) * H * 4 * D
+        act = np.zeros(S, bool)
+        act[live] = True
+        return tiers, nbytes, jnp.asarray(act)
+
+    for method in args.methods.split(","):
+        for A in map(int, args.active.split(",")):
+            tiers, nbytes, act = case(A, method, A)
+            q = jax.random.normal(jax.random.PRNGKey(A), (S, nq, D), jnp.float32)
+            qg = pdk.pad_group(q.reshape(S, H, G, D), 16)
+            emit = method == "diffkv" and not args.no_logits
+            res = {}
+            for K in map(int, args.splits.split(",")):
+                cfg = pdk.LaunchConfig(num_splits=K, emit_logits=emit)
+
+                @jax.jit
+                def even(qg, tiers, cfg=cfg):
+                    o, m, l, lg = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg)
+                    return pdk.merge_partials([(o, m, l)])[0], lg
+
+                res[f"even-{K}"] = (time_ms(even, qg, tiers), even(qg, tiers)[0])
+            cfg = pdk.LaunchConfig(emit_logits=emit)
+            counts = [work_items(S, H)] + [int(n) for n in args.items.split(",") if n]
+            for n_items in counts:
+
+                @jax.jit
+                def work(qg, tiers, act, cfg=cfg, n_items=n_items):
+                    wl = pdk.plan_work(pdk.row_pages(tiers, act), n_items,
+                                       min_pages=args.min_pages)
+                    o, m, l, lg = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg,
+                                                            work=wl)
+                    return pdk.merge_work(o, m, l, wl, S, H)[0], lg
+
+                name = "work" if n_items == counts[0] else f"work-{n_items}"
+                res[name] = (time_ms(work, qg, tiers, act), work(qg, tiers, act)[0])
+            ref = np.asarray(next(iter(res.values()))[1])[np.asarray(act)]
+            for name, (ms, out) in res.items():
+                err = float(np.abs(np.asarray(out)[np.asarray(act)] - ref).max()
+                            / np.abs(ref).max())
+                rows.append(dict(method=method, slots=S, active=A, launch=name, ms=ms,
+                                 bytes=nbytes, tbps=nbytes / (ms * 1e-3) / 1e12,
+                                 diff_vs_first=err))
+            print(f"done {method} active={A}", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as fh:
+        json.dump({"device": jax.devices()[0].device_kind, "args": vars(args), "rows": rows},
+                  fh, indent=1)
+    print(f"\n{'method':7s} {'active':>6s} {'launch':9s} {'ms':>7s} {'MB':>7s} {'TB/s':>5s} "
+          f"{'diff':>8s}")
+    for r in rows:
+        print(f"{r['method']:7s} {r['active']:6d} {r['launch']:9s} {r['ms']:7.3f} "
+              f"{r['bytes'] / 1e6:7.1f} {r['tbps']:5.2f} {r['diff_vs_first']:8.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
