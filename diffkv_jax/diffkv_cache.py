@@ -116,6 +116,11 @@ class DiffKVCache(SlotAccounting):
     # "reference": plain jnp (gathers and dequantizes pages); "pallas": the paged
     # decode kernel of pallas_kernels/paged_decode.py (interpret mode off the GPU).
     attention_impl: str = "reference"
+    # How a decode step writes its tokens: "xla" scatters (four for the codes, four
+    # for the side arrays per layer), or "pallas": one launch per layer
+    # (pallas_kernels/token_writes.py; checked in interpret mode, not yet timed
+    # on the GPU, hence not the default).
+    write_impl: str = "xla"
 
     name = "diffkv"
 
@@ -128,6 +133,8 @@ class DiffKVCache(SlotAccounting):
         if self.attention_impl not in ("reference", "pallas"):
             raise ValueError(f"attention_impl must be 'reference' or 'pallas', "
                              f"got {self.attention_impl!r}")
+        if self.write_impl not in ("xla", "pallas"):
+            raise ValueError(f"write_impl must be 'xla' or 'pallas', got {self.write_impl!r}")
         if self.attention_impl == "pallas" and (
                 self.head_dim % 16 or any(self.layout.used_bytes(t) != self.layout.data_bytes
                                           for t in (HI, LO))):
@@ -159,6 +166,28 @@ class DiffKVCache(SlotAccounting):
 
     #: Pages a row can gain in one decode step: one per tier region (high and low).
     max_new_pages_per_row = 2
+
+    def growth_bound(self, state: DiffKVState, steps: int) -> jax.Array:
+        """``[steps]`` int32: entry ``m - 1`` is the most pages the next ``m`` decode
+        steps can allocate, whichever live slots decode (-1 past a high page's
+        tokens, where a region could grow twice).
+
+        A tier region gains at most one token per step (the newcomer, or the
+        demoted victim) and gets a page when it is full (``end_decode``), after
+        which it has a page of room again; every region has at least one free
+        slot between steps. So within ``m`` steps a region allocates at most once,
+        and only if it has at most ``m`` free slots now: the count of those.
+        """
+        S = self.max_seqs
+        caps = jnp.asarray([self.cap(HI), self.cap(LO)], jnp.int32)
+        room = state.n_pages[:S] * caps - state.n_tok[:S]  # [S, L, H, 2] free slots
+        live = (state.seq_len[:S] > 0)[:, None, None, None]
+        if not self.policy.low_tier:
+            live = live & (jnp.arange(2) == HI)
+        m = jnp.arange(1, steps + 1)
+        grows = live[None] & (room[None] <= m[:, None, None, None, None])
+        bound = grows.reshape(steps, -1).sum(axis=1)
+        return jnp.where(m <= self.cap(HI), bound, -1).astype(jnp.int32)
 
     def pages_for_tokens(self, n_tokens: int) -> int:
         """Pages a sequence may hold at most (every token high, both headrooms)."""
@@ -498,16 +527,36 @@ class DiffKVCache(SlotAccounting):
         hi_page = jnp.where(act, page_at(ns // cap_h), skip)
         writes.append((HI, hi_page, ns % cap_h,
                        *self._encode_tokens(HI, k_new, v_new, p_new, cur_b)))
-        for tier, page, slot, codes, _ in writes:
-            state = self._write_codes(state, tier, page, slot, *codes)
-        # The writes land in different pages (one per tier), so one scatter per side
-        # array carries them all: fewer launches per layer.
-        _, pages, slots, _, sides = zip(*writes)
-        side = [jnp.stack(parts) for parts in zip(*sides)]
-        state = self._write_side(state, jnp.stack(pages), jnp.stack(slots), side)
+        if self.write_impl == "pallas":
+            state = self._write_fused(state, writes)
+        else:
+            for tier, page, slot, codes, _ in writes:
+                state = self._write_codes(state, tier, page, slot, *codes)
+            # The writes land in different pages (one per tier), so one scatter per
+            # side array carries them all: fewer launches per layer.
+            _, pages, slots, _, sides = zip(*writes)
+            side = [jnp.stack(parts) for parts in zip(*sides)]
+            state = self._write_side(state, jnp.stack(pages), jnp.stack(slots), side)
         n_tok = state.n_tok.at[:S, layer].set(jnp.where(
             act[..., None], jnp.stack([d["n_high"], d["n_low"]], -1), state.n_tok[:S, layer]))
         return state.replace(n_tok=n_tok)
+
+    def _write_fused(self, state: DiffKVState, writes) -> DiffKVState:
+        """The writes of :meth:`apply_decision` in one kernel launch
+        (:func:`pallas_kernels.token_writes.write_tokens`)."""
+        from pallas_kernels.token_writes import TokenFormat, TokenWrite, write_tokens
+
+        lay = self.layout
+        tws = []
+        for tier, page, slot, (kp, vp), (km, vm, score, pos) in writes:
+            fmt = TokenFormat(lay.key_width(tier), lay.value_width(tier), self.cap(tier))
+            tws.append(TokenWrite(fmt, page.astype(jnp.int32), slot.astype(jnp.int32),
+                                  kp.astype(jnp.uint8), vp.astype(jnp.uint8), km, vm,
+                                  score.astype(jnp.float32), pos.astype(jnp.int32)))
+        data, k_meta, v_meta, scores, positions = write_tokens(
+            state.data, state.k_meta, state.v_meta, state.scores, state.positions, tws)
+        return state.replace(data=data, k_meta=k_meta, v_meta=v_meta, scores=scores,
+                             positions=positions)
 
     def end_decode(self, state: DiffKVState, batch: DecodeBatch) -> DiffKVState:
         """Advance lengths; give each full tier region one more page (headroom)."""

@@ -5,16 +5,21 @@ over a fixed set of slots; the host side here decides every step which
 waiting requests to prefill into free slots and which running requests decode.
 
 Admission and preemption use the free-page count that each decode step returns
-with its sampled tokens (no extra device synchronization):
+with its sampled tokens (no extra device synchronization), together with the
+cache's bound on how many pages the next few decode steps can allocate
+(:func:`diffkv_jax.steps.pool_counts`; a tier region only gets a page when it
+is full, so only regions within a few tokens of a page boundary can):
 
 * a waiting request is admitted when a slot is free and the pool can hold its
   prompt (conservatively: every prompt token in the high tier) while keeping
-  the per-step reserve for everyone running;
-* before a decode step the pool must hold the worst case one step can
-  allocate (one page per tier for every running row); if it cannot, the most
-  recently admitted request is preempted: its pages are freed and it goes back
-  to the front of the queue, to be recomputed from its prompt plus the tokens
-  it has produced (its output so far is kept).
+  the reserve of the next decode step for everyone running;
+* before a decode step the pool must hold what the steps not yet read back
+  and this one can allocate: the bound for rows the last read result covers,
+  the worst case (every layer and head gaining a page per tier) for rows
+  admitted since. If it cannot, the most recently admitted request is
+  preempted: its pages are freed and it goes back to the front of the queue,
+  to be recomputed from its prompt plus the tokens it has produced (its
+  output so far is kept).
 
 Bad requests (empty prompt, prompt over the context, invalid sampling values,
 stop strings on an engine without a detokenizer) are refused by
@@ -49,6 +54,7 @@ import numpy as np
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams,
                                    decode_width, next_pow2, page_width)
+from diffkv_jax.steps import pool_counts
 
 
 Detokenizer = Callable[[list[int]], str]
@@ -256,14 +262,15 @@ class _Dispatch:
     """A device call whose results the host has not read yet.
 
     ``tokens``: sampled tokens ``[n]`` with ``rows`` = (index, request id, epoch)
-    of the rows that count; ``free``: the pool's free-page count right after the
-    call (exact at that point of the device's queue); ``accounting``: copies of
+    of the rows that count; ``counts``: the pool's free-page count right after the
+    call (exact at that point of the device's queue) and the bound on the next
+    decode steps' page growth (:func:`diffkv_jax.steps.pool_counts`); ``accounting``: copies of
     the cache's accounting arrays taken before a release, with the (request id,
     slot) pairs they describe.
     """
 
     order: int
-    free: jax.Array
+    counts: jax.Array
     tokens: jax.Array | None = None
     rows: list = dataclasses.field(default_factory=list)
     accounting: tuple | None = None
@@ -354,15 +361,18 @@ class Engine(Generator):
         self._last = jnp.zeros(S, jnp.int32)
         # Not donated: a dispatch record may still hold the previous array.
         self._set_last = jax.jit(lambda last, slots, tok: last.at[slots].set(tok, mode="drop"))
-        # A copy of the free count (the state's own buffer is donated by the next step).
-        self._count_free = jax.jit(lambda st: st.free.num_free + 0)
+        # The free count and growth bound (a copy: the state's own buffers are
+        # donated by the next step).
+        self._count_free = jax.jit(lambda st: pool_counts(method, st))
         self._snapshot = jax.jit(lambda st: jax.tree_util.tree_map(
             jnp.copy, method.accounting_arrays(st)))
         self._pending: list[_Dispatch] = []
         # Free pages: exact after dispatch `_base_order`, minus the most each later
-        # dispatch may have allocated (releases count 0 until read).
+        # dispatch may have allocated (releases count 0 until read): prompt pages
+        # in `_costs`, decode growth from `_growth_log` and the base's growth bound.
         self._base_order, self._base_free = -1, num_pages
         self._costs: dict[int, int] = {}
+        self._init_growth()
         self._sampling_static = None  # device sampling columns of the current slot map
         # Per-slot bookkeeping as arrays, so a step's scheduling does not loop over
         # rows in Python: tokens generated (in flight included), the most a slot's
@@ -422,12 +432,53 @@ class Engine(Generator):
     def free_pages(self) -> int:
         """Free pages in the pool: exact once every dispatched step has been read
         (e.g. when the engine is idle), otherwise a lower bound."""
-        return self._base_free - sum(c for o, c in self._costs.items() if o > self._base_order)
+        fixed = sum(c for o, c in self._costs.items() if o > self._base_order)
+        return self._base_free - fixed - self._growth(0, 0)
 
     @free_pages.setter
     def free_pages(self, value: int) -> None:
         # Only the base class sets it, before any dispatch: the pool is all free.
         self._base_order, self._base_free, self._costs = -1, int(value), {}
+        self._init_growth()
+
+    def _init_growth(self) -> None:
+        # Growth bound of the base (None: unknown), and the unread dispatches that
+        # grow the cache: order -> ("decode", rows) or ("admit", new decoding rows).
+        self._base_growth: np.ndarray | None = None
+        self._growth_log: dict[int, tuple[str, int]] = {}
+
+    def _growth(self, extra_steps: int, rows: int, new: int = 0) -> int:
+        """Most pages the unread decode steps, then ``extra_steps`` more steps of
+        ``rows`` running rows (``new`` of them admitted but not yet dispatched),
+        can allocate.
+
+        Rows live at the base are bounded by its ``growth_bound`` (a cumulative
+        bound over the next steps); rows admitted since count the worst case,
+        every layer and head gaining ``max_new_pages_per_row`` pages a step.
+        Without a bound (or beyond its steps) everyone counts the worst case.
+        """
+        m = self.method
+        worst = m.num_layers * m.num_kv_heads * m.max_new_pages_per_row
+        later = sorted((o, e) for o, e in self._growth_log.items() if o > self._base_order)
+        decode_rows = [n for _, (kind, n) in later if kind == "decode"]
+        everyone = worst * (sum(decode_rows) + extra_steps * rows)
+        steps = len(decode_rows) + extra_steps
+        if self._base_growth is None or steps > len(self._base_growth):
+            return everyone
+        bound = int(self._base_growth[steps - 1]) if steps else 0
+        decodes_after = len(decode_rows)
+        for _, (kind, n) in later:
+            if kind == "decode":
+                decodes_after -= 1
+            else:  # admitted after the base: worst case for every step they may decode
+                bound += worst * n * (decodes_after + extra_steps)
+        bound += worst * new * extra_steps
+        return min(bound, everyone)
+
+    def _step_reserve(self, rows: int, new: int = 0) -> int:
+        """Pages to keep free so that one more decode step of ``rows`` rows (``new``
+        of them not yet dispatched) cannot run out."""
+        return self._growth(1, rows, new) - self._growth(0, 0)
 
     def step(self) -> dict[int, list[int]]:
         """Run one scheduling iteration; returns the new tokens of each request.
@@ -519,19 +570,19 @@ class Engine(Generator):
         return [self.requests[i] for i in ids]
 
     # -- scheduling ----------------------------------------------------------------------
-    def _reserve(self, rows: int) -> int:
-        """Pages one decode step may allocate for ``rows`` running sequences."""
-        per_row = self.method.num_layers * self.method.num_kv_heads
-        return rows * per_row * self.method.max_new_pages_per_row
-
     def _decodable(self) -> np.ndarray:
         """Slots whose request still needs a token once its in-flight ones are
         counted (length and context limits are known ahead; a stop token is not)."""
         return np.flatnonzero(self._live & (self._gen < self._limit))
 
-    def _new_dispatch(self, free: jax.Array, cost: int, **fields) -> _Dispatch:
-        d = _Dispatch(order=next(self._orders), free=free, **fields)
+    def _new_dispatch(self, counts: jax.Array, cost: int, growth: tuple[str, int] | None = None,
+                      **fields) -> _Dispatch:
+        """Record a device call: ``cost`` pages it allocates at most besides decode
+        growth; ``growth``: ("decode", rows) or ("admit", rows that will decode)."""
+        d = _Dispatch(order=next(self._orders), counts=counts, **fields)
         self._costs[d.order] = cost
+        if growth is not None:
+            self._growth_log[d.order] = growth
         self._pending.append(d)
         return d
 
@@ -549,7 +600,8 @@ class Engine(Generator):
             req = self.requests[self.waiting[0]]
             need = self.method.pages_for_tokens(req.context_len)
             n = running + len(rows) + 1
-            if free - need < self._reserve(n) + n * self._headroom_per_row:
+            fresh = sum(1 for _, start in rows if start == 0) + 1
+            if free - need < self._step_reserve(n, fresh) + n * self._headroom_per_row:
                 break
             self.waiting.popleft()
             req.slot = free_slots.pop(0)
@@ -632,13 +684,13 @@ class Engine(Generator):
             # away the recomputation it has just paid for).
             self._order[s], self._live[s] = r.id, True
         self._new_dispatch(self._run("count", None, self._count_free, self.state), need,
-                           tokens=first,
+                           growth=("admit", len(done)), tokens=first,
                            rows=[(j, r.id, r.epoch) for j, (_, r) in enumerate(done)])
 
     def _preempt_if_needed(self) -> None:
         rows = self._decodable()
         rows = list(rows[np.argsort(self._order[rows])])
-        while rows and self.free_pages < self._reserve(len(rows)):
+        while rows and self.free_pages < self._step_reserve(len(rows)):
             victim = self.requests[int(self._rid[rows.pop()])]
             victim.preemptions += 1
             # Preemption is rare: wait for the release to learn the exact free count.
@@ -659,25 +711,25 @@ class Engine(Generator):
                         for rid in self.slots]
             self._sampling_static = self._sampling_arrays(sampling, S, steps)
         smp = self._sampling_static.replace(step=jnp.asarray(steps))
-        self.state, tok, free = self._run("decode", (width, smp.greedy_only),
-                                          self.steps.decode_and_sample, self.params,
-                                          self.state, batch, smp)
+        self.state, tok, counts = self._run("decode", (width, smp.greedy_only),
+                                            self.steps.decode_and_sample, self.params,
+                                            self.state, batch, smp)
         self._last = tok
         self._gen[rows] += 1
         rec_rows = list(zip(rows.tolist(), self._rid[rows].tolist(), self._epoch[rows].tolist()))
         self.decode_tokens += len(rows)
-        self._new_dispatch(free, self._reserve(len(rows)), tokens=tok, rows=rec_rows)
+        self._new_dispatch(counts, 0, growth=("decode", len(rows)), tokens=tok, rows=rec_rows)
 
     def _collect(self, dispatches: list[_Dispatch], new) -> float:
         """Read ``dispatches`` (in order), accept their tokens; returns seconds waited."""
         if not dispatches:
             return 0.0
         t0 = time.perf_counter()
-        host = jax.device_get([(d.free, d.tokens) for d in dispatches])
+        host = jax.device_get([(d.counts, d.tokens) for d in dispatches])
         waited = time.perf_counter() - t0
         done = []
-        for d, (free, tokens) in zip(dispatches, host):
-            self._mark_read(d, int(free))
+        for d, (counts, tokens) in zip(dispatches, host):
+            self._mark_read(d, counts)
             for i, rid, epoch in d.rows:
                 r = self.requests[rid]
                 if r.epoch != epoch or r.status != "running":
@@ -690,11 +742,17 @@ class Engine(Generator):
         self._free_slots(done)
         return waited
 
-    def _mark_read(self, d: _Dispatch, free: int) -> None:
+    def _mark_read(self, d: _Dispatch, counts) -> None:
         d.read = True
         if d.order > self._base_order:
-            self._base_order, self._base_free = d.order, free
+            counts = np.asarray(counts)
+            self._base_order, self._base_free = d.order, int(counts[0])
+            growth = counts[1:]
+            # The bound holds for its leading non-negative entries (-1: no bound).
+            valid = int(np.argmin(growth >= 0)) if (growth < 0).any() else len(growth)
+            self._base_growth = growth[:valid] if valid else None
             self._costs = {o: c for o, c in self._costs.items() if o > d.order}
+            self._growth_log = {o: e for o, e in self._growth_log.items() if o > d.order}
         if d.accounting is not None:
             self._read_accounting(d)
 
@@ -754,9 +812,9 @@ class Engine(Generator):
         """Read one release out of turn (someone asked for a request's bytes)."""
         if not d.read:
             t0 = time.perf_counter()
-            free = int(jax.device_get(d.free))
+            counts = jax.device_get(d.counts)
             self.wait_seconds += time.perf_counter() - t0
-            self._mark_read(d, free)
+            self._mark_read(d, counts)
             self._pending = [p for p in self._pending if not p.read]
 
     def _read_accounting(self, d: _Dispatch) -> None:

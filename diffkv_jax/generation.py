@@ -278,10 +278,11 @@ class Generator:
             width = decode_width(self.method, int(seq_len[active].max()) + 1)
             batch = DecodeBatch(jnp.asarray(last), jnp.asarray(active), width)
             smp = self._sampling_arrays(sampling, S, steps=step)
-            self.state, new, free = self._run("decode", (width, smp.greedy_only),
-                                              self.steps.decode_and_sample,
-                                              self.params, self.state, batch, smp)
-            new, self.free_pages = jax.device_get((new, free))
+            self.state, new, counts = self._run("decode", (width, smp.greedy_only),
+                                                self.steps.decode_and_sample,
+                                                self.params, self.state, batch, smp)
+            new, counts = jax.device_get((new, counts))
+            self.free_pages = int(counts[0])
             new = np.asarray(new)
             was_active = active.copy()
             seq_len[was_active] += 1

@@ -34,8 +34,9 @@ What stays the caller's job: stop conditions (stop tokens, lengths, stop
 strings), and admission. A decode step may allocate up to
 ``rows * num_layers * num_kv_heads * method.max_new_pages_per_row`` pages
 (``rows`` = active slots); the free-page count returned by every call is what
-to admit against (``Engine`` does exactly this). When the pool runs dry the
-allocator sets ``state.alloc_failed``.
+to admit against (``Engine`` does this, with a tighter bound from the cache's
+``growth_bound``: :func:`diffkv_jax.steps.pool_counts`). When the pool runs
+dry the allocator sets ``state.alloc_failed``.
 """
 
 from __future__ import annotations
@@ -150,9 +151,13 @@ def generate(engine_or_steps, params, state, batch: DecodeBatch, sampling: Sampl
 
     ``sampling`` has one row per slot (:func:`sampling_arrays`). Returns
     ``(state, tokens [S], free_pages [])``; entries of inactive slots are
-    meaningless. This is ``steps.decode_and_sample``, the step ``Engine`` runs.
+    meaningless. This is ``steps.decode_and_sample``, the step ``Engine`` runs
+    (which also returns the bound on the next steps' page growth that the
+    engine admits by; ``Engine`` keeps it).
     """
-    return compiled_steps(engine_or_steps).decode_and_sample(params, state, batch, sampling)
+    state, tokens, counts = compiled_steps(engine_or_steps).decode_and_sample(
+        params, state, batch, sampling)
+    return state, tokens, counts[0]
 
 
 def release(engine_or_steps, state, slots: Sequence[int]):

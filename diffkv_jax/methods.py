@@ -60,10 +60,12 @@ def _diffkv_cache(cfg: ModelConfig, *, max_seqs: int, max_context: int, page_siz
     tiers = {k: (parse_tier(options.pop(k)) if isinstance(options.get(k), str)
                  else options.pop(k)) for k in ("high", "low") if k in options}
     impl = options.pop("attention_impl", "reference")
+    writes = options.pop("write_impl", "xla")
     policy = DiffKVPolicy(**options)
     return DiffKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                        max_context=max_context, policy=policy,
-                       tokens_per_page=page_size or 32, attention_impl=impl, **tiers)
+                       tokens_per_page=page_size or 32, attention_impl=impl,
+                       write_impl=writes, **tiers)
 
 
 #: Budget (tokens per (sequence, layer, KV head)) of the eviction baselines when neither
@@ -170,7 +172,8 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     ``diffkv`` options: ``page_size`` (high-tier tokens per page, default 32),
     ``alpha_high``, ``alpha_low``, ``window``, ``obs_window``, ``low_tier``,
     ``normalizer`` (see :class:`DiffKVPolicy`), ``high``, ``low`` (tiers such as
-    "K8V4" or :class:`Tier`), ``attention_impl`` ("reference" or "pallas").
+    "K8V4" or :class:`Tier`), ``attention_impl`` ("reference" or "pallas"),
+    ``write_impl`` ("xla" or "pallas": how decode writes its tokens).
     ``int8`` / ``k8v4``: the diffkv options except the ones that define them
     (``high``, ``low``, ``low_tier``, ``alpha_low``).
     ``h2o`` / ``streamingllm`` / ``snapkv`` (token eviction, every kept token K8V8):

@@ -142,6 +142,24 @@ class FullCache(SlotPages):
         per_row = min(n_tokens // self.page_size + 1, self.row_len)
         return per_row * self.num_layers * self.num_kv_heads
 
+    def growth_bound(self, state: PagedKVState, steps: int) -> jax.Array:
+        """``[steps]`` int32: entry ``m - 1`` is the most pages the next ``m`` decode
+        steps can allocate, whichever live slots decode (-1 past ``page_size``
+        steps, where a slot could grow twice).
+
+        A slot gets a page for every layer and head when its length reaches a
+        multiple of the page size (``end_decode``), so within ``m`` steps at most
+        once, and only if that multiple is at most ``m`` tokens away.
+        """
+        S = self.max_seqs
+        n = state.lengths[:S]
+        away = self.page_size - n % self.page_size  # tokens to the next page boundary
+        m = jnp.arange(1, steps + 1)[:, None]
+        grows = (n[None] > 0) & (away[None] <= m) & (n[None] + away[None] < self.max_context)
+        per_slot = self.num_layers * self.num_kv_heads
+        bound = grows.sum(axis=1) * per_slot
+        return jnp.where(m[:, 0] <= self.page_size, bound, -1).astype(jnp.int32)
+
     def pages_for_budget(self, budget_bytes: int) -> int:
         return max(1, int(budget_bytes) // self.page_bytes)
 

@@ -54,16 +54,32 @@ def decode(method, cfg: ModelConfig, dtype, params, state, batch: DecodeBatch):
     return method.end_decode(state, batch), logits
 
 
+#: Decode steps ahead that :func:`pool_counts` bounds the page growth of.
+GROWTH_STEPS = 4
+
+
+def pool_counts(method, state) -> jax.Array:
+    """``[1 + GROWTH_STEPS]`` int32: the free pages, then for ``m = 1 ..
+    GROWTH_STEPS`` the most pages the next ``m`` decode steps can allocate
+    (``method.growth_bound``; -1 where the method gives no bound). The engine
+    reserves that much instead of a worst case per running row."""
+    bound = getattr(method, "growth_bound", None)
+    growth = (bound(state, GROWTH_STEPS) if bound is not None
+              else jnp.full((GROWTH_STEPS,), -1, jnp.int32))
+    return jnp.concatenate([state.free.num_free.reshape(1), growth]).astype(jnp.int32)
+
+
 def decode_and_sample(method, cfg, dtype, params, state, batch: DecodeBatch,
                       sampling: SamplingArrays):
     """:func:`decode` fused with sampling.
 
-    Returns ``(state, tokens [S], free_pages [])``: the free-page count travels
-    with the sampled tokens, so the host learns it (for admission) from the
-    transfer it makes anyway, without an extra synchronization.
+    Returns ``(state, tokens [S], counts)``, ``counts`` as :func:`pool_counts`
+    (``counts[0]``: the free pages): they travel with the sampled tokens, so the
+    host learns them (for admission) from the transfer it makes anyway, without
+    an extra synchronization.
     """
     state, logits = decode(method, cfg, dtype, params, state, batch)
-    return state, sample(logits, sampling), state.free.num_free
+    return state, sample(logits, sampling), pool_counts(method, state)
 
 
 def forward_no_cache(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array,

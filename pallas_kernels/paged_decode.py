@@ -395,8 +395,9 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
       tiers: the tiers of each row, in the order their pages are walked.
       group: real query rows per KV head (<= ``Gp``; default ``Gp``); the outputs
         hold these rows only.
-      work: the launch's work items (e.g. :func:`plan_work` of :func:`row_pages`); None: ``cfg.num_splits``
-        items per row sharing its pages evenly (:func:`even_work`).
+      work: the launch's work items (e.g. :func:`plan_work` of :func:`row_pages`);
+        None: ``cfg.num_splits`` items per row sharing its pages evenly
+        (:func:`even_work`).
     Returns:
       With ``work``: per item ``o [N, G, D]``, ``m, l [N, G]`` (merge them with
       :func:`merge_work`); without: ``o [S, H, K, G, D]``, ``m, l [S, H, K, G]``

@@ -7,6 +7,8 @@
 #   bash scripts/h200_figures.sh diffkv       # serving throughput, DiffKV
 #   bash scripts/h200_figures.sh full         # serving throughput, uncompressed bf16
 #   bash scripts/h200_figures.sh attention    # the decode-attention grid
+#   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
+#   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
 #
 # Results go to $OUT (default results/h200). Compiled executables are cached in
 # $JAX_COMPILATION_CACHE_DIR (default /tmp/diffkv-jax-xla), so a stage run again
@@ -25,16 +27,23 @@ THROUGHPUT="--model llama3-8b --kv-budget-gb 6 --num-requests 256 --output-len 4
 
 case "${1:-}" in
   tests)
-    python -m pytest -q -m gpu tests/ ;;
+    # (the GGUF test needs the gguf wheel, which the device lacks unless carried)
+    python -m pytest -q -m gpu tests/ --ignore=tests/test_gguf_and_tokenizer.py ;;
   breakdown)
     python scripts/step_breakdown.py --model llama3-8b --methods full,diffkv --batch 64 \
       --context 4096 --iters 5 --profile 3 --top 20 --json "$OUT/step_breakdown.json" ;;
   diffkv|full)
+    # METHOD_OPTS: options of the method, e.g. METHOD_OPTS="write_impl=pallas"
     # shellcheck disable=SC2086
-    python scripts/bench_throughput.py $THROUGHPUT --methods "$1" --out "$OUT/throughput_$1" ;;
+    python scripts/bench_throughput.py $THROUGHPUT --methods "$1${METHOD_OPTS:+:$METHOD_OPTS}" \
+      --out "$OUT/throughput_$1" ;;
   attention)
     python scripts/bench_attention.py --json "$OUT/bench_attention.json" ;;
+  ragged)
+    python scripts/bench_ragged_attention.py --json "$OUT/bench_ragged_attention.json" ;;
+  parts)
+    python scripts/bench_launch_parts.py --json "$OUT/bench_launch_parts.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|attention" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|attention|ragged|parts" >&2
     exit 2 ;;
 esac

@@ -132,6 +132,7 @@ def test_engine_chunks_long_prompts_between_decode_steps(tiny_model):
     # 70 tokens in chunks of 16: more prompt tokens prefilled than whole-prompt rows only.
     assert eng.prefill_tokens == sum(len(p) for p in prompts)
     assert eng.free_pages == eng.num_pages and not eng._chunking
+    assert not bool(eng.state.alloc_failed)  # the reserve never fell short
 
 
 def test_chunked_prefill_is_refused_where_the_method_cannot_chunk(tiny_model):

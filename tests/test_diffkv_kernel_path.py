@@ -28,6 +28,22 @@ def test_kernel_path_matches_reference_path(tiny_model, opts):
         assert abs(a.memory[key] - b.memory[key]) < 0.01
 
 
+def test_token_writes_kernel_gives_the_same_decode_as_the_scatters(tiny_model):
+    # Only how the step's tokens reach the pool differs: the results are identical.
+    cfg, params = tiny_model
+    rng = np.random.default_rng(5)
+    docs = [list(rng.integers(0, cfg.vocab_size, size=100)) for _ in range(2)]
+    xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=8, window=8,
+                      alpha_high=1.0, alpha_low=0.05, attention_impl="pallas")
+    fused = dataclasses.replace(xla, write_impl="pallas")
+    a = score_teacher_forced(cfg, params, xla, docs, 20, progress=False)
+    b = score_teacher_forced(cfg, params, fused, docs, 20, progress=False)
+    np.testing.assert_array_equal(a.nll, b.nll)
+    assert a.memory == b.memory and a.memory["frac_low"] > 0
+    with pytest.raises(ValueError, match="write_impl"):
+        dataclasses.replace(xla, write_impl="cuda")
+
+
 def test_pallas_impl_rejects_unfit_tiers():
     from diffkv_jax.diffkv_cache import DiffKVCache
     from diffkv_jax.unified_page import Tier

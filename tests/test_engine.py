@@ -9,6 +9,12 @@ from diffkv_jax.methods import make_method
 from diffkv_jax.paged_cache import FullCache
 
 
+def worst_step_pages(method, rows: int) -> int:
+    """Pages one decode step of ``rows`` rows allocates at most (every layer and head
+    gaining its most), which sizes the tiny pools below."""
+    return rows * method.num_layers * method.num_kv_heads * method.max_new_pages_per_row
+
+
 def make_engine(cfg, params, kind="full", max_seqs=4, max_context=96, pages=None,
                 prefill_chunk=None, **opts):
     method = make_method(kind, cfg, max_seqs=max_seqs, max_context=max_context,
@@ -52,6 +58,7 @@ def serve_arrivals(eng, prompts, sampling, rng):
     assert all(r.status == ("cancelled" if r.id in cancelled else "finished") for r in reqs)
     assert any(r.preemptions for r in reqs), "the pool was meant to force preemption"
     assert eng.free_pages == eng.num_pages
+    assert not bool(eng.state.alloc_failed)  # the reserve never fell short
     return reqs
 
 
@@ -63,6 +70,7 @@ def test_continuous_batching_matches_alone(tiny_model):
     got = [r.output for r in eng.generate(prompts, sampling)]
     assert got == alone(cfg, params, prompts, sampling)
     assert eng.free_pages == eng.num_pages  # nothing leaked
+    assert not bool(eng.state.alloc_failed)  # the reserve never fell short
 
 
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prompts", "chunks-of-8"])
@@ -74,7 +82,7 @@ def test_stress_preemption_cancellation_and_leaks(tiny_model, chunk):
     rng = np.random.default_rng(1)
     prompts, sampling = workload(cfg, 300, rng, max_prompt=40, max_new=16)
     probe = make_engine(cfg, params)
-    small = probe.method.pages_for_tokens(56) * 2 + probe._reserve(4)
+    small = probe.method.pages_for_tokens(56) * 2 + worst_step_pages(probe.method, 4)
     eng = make_engine(cfg, params, pages=small, prefill_chunk=chunk)
     reqs = serve_arrivals(eng, prompts, sampling, rng)
     # Uncompressed cache: recomputation reproduces the cache exactly, so every
@@ -98,6 +106,7 @@ def test_diffkv_engine_serves_and_returns_every_page(tiny_model):
     assert all(r.status == "finished" and len(r.output) == s.max_new_tokens
                for r, s in zip(reqs, sampling))
     assert eng.free_pages == eng.num_pages
+    assert not bool(eng.state.alloc_failed)  # the reserve never fell short
 
 
 def test_bad_requests_are_refused_and_serving_continues(tiny_model):
@@ -126,7 +135,7 @@ def test_stress_diffkv_requests_never_preempted_match_alone(tiny_model):
     prompts, sampling = workload(cfg, 300, rng, max_prompt=40, max_new=16)
     kw = dict(kind="diffkv", max_context=64, window=4, alpha_high=1.0, alpha_low=0.5)
     probe = make_engine(cfg, params, **kw)
-    small = probe.method.pages_for_tokens(56) * 2 + 2 * probe._reserve(4)
+    small = probe.method.pages_for_tokens(56) * 2 + worst_step_pages(probe.method, 4)
     eng = make_engine(cfg, params, pages=small, **kw)
     reqs = serve_arrivals(eng, prompts, sampling, rng)
     stats = [r.kv_stats for r in reqs if r.status == "finished"]

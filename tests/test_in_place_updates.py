@@ -1,6 +1,7 @@
 """The compiled decode step updates the donated page pool in place (no pool copies)."""
 
 import jax.numpy as jnp
+import pytest
 
 from diffkv_jax.batch import DecodeBatch
 from diffkv_jax.methods import make_method
@@ -33,11 +34,14 @@ def test_diffkv_decode_has_no_pool_copy(tiny_model):
     assert pool_copies(*tiny_model, "diffkv") == []
 
 
-def test_diffkv_kernel_decode_has_no_side_array_copy(tiny_model):
+@pytest.mark.parametrize("writes", ["xla", "pallas"])
+def test_diffkv_kernel_decode_has_no_side_array_copy(tiny_model, writes):
     # The kernel path updates scores inside a kernel (aliased) and writes the
-    # pool, metadata and positions by scatter: none of them may be copied.
+    # pool, metadata and positions by scatter or by the token-writes kernel
+    # (aliased): none of them may be copied.
     cfg, params = tiny_model
-    m = make_method("diffkv", cfg, max_seqs=4, max_context=128, attention_impl="pallas")
+    m = make_method("diffkv", cfg, max_seqs=4, max_context=128, attention_impl="pallas",
+                    write_impl=writes)
     state = m.init_state(300)
     batch = DecodeBatch(jnp.zeros(4, jnp.int32), jnp.ones(4, bool), 4)
     text = CompiledSteps(cfg, m, jnp.float32).decode.lower(params, state, batch).compile().as_text()

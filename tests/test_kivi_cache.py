@@ -333,6 +333,7 @@ def test_engine_serves_random_requests_and_returns_every_page(tiny_model):
                for r, s in zip(reqs, sampling))
     assert any(r.preemptions for r in reqs), "the pool was meant to force preemption"
     assert eng.free_pages == eng.num_pages
+    assert not bool(eng.state.alloc_failed)  # the reserve never fell short
     assert int(eng.state.free.num_free) == eng.num_pages
     rows = cfg.num_layers * cfg.num_kv_heads
     for r in reqs:

@@ -22,6 +22,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PIECES = [f"<{i}>" for i in range(97)]
 
 
+def worst_step_pages(method, rows: int) -> int:
+    """Pages one decode step of ``rows`` rows allocates at most (every layer and head
+    gaining its most), which sizes the tiny pools below."""
+    return rows * method.num_layers * method.num_kv_heads * method.max_new_pages_per_row
+
+
 class ToyDetok:
     """``list[int] -> str`` that records the length of every slice it is asked for."""
 
@@ -88,6 +94,7 @@ def test_stop_string_spanning_two_tokens(tiny_model, reference):
     o = eng.requests[other]
     assert o.output == reference[1] and o.text == det(reference[1]) and o.stop_string is None
     assert eng.free_pages == eng.num_pages
+    assert not bool(eng.state.alloc_failed)  # the reserve never fell short
 
 
 def test_earliest_stop_string_wins_and_stop_token_ids_are_not_text(tiny_model, reference):
@@ -189,7 +196,7 @@ def test_stop_strings_survive_preemption(tiny_model):
         f"{rng.integers(0, 10)}><{rng.integers(1, 10)}", f"<{rng.integers(0, 97)}>"))
         for i in range(len(prompts))]
     probe = make_engine(cfg, params, max_seqs=4)
-    small = probe.method.pages_for_tokens(48) * 2 + probe._reserve(4)
+    small = probe.method.pages_for_tokens(48) * 2 + worst_step_pages(probe.method, 4)
     eng = make_engine(cfg, params, ToyDetok(), max_seqs=4, pages=small)
     reqs = eng.generate(prompts, sampling)
     assert any(r.preemptions for r in reqs), "the pool was meant to force preemption"
@@ -206,6 +213,7 @@ def test_stop_strings_survive_preemption(tiny_model):
             cut = min(i for i in (full.find(x) for x in s.stop_strings) if i >= 0)
             assert r.text == full[:cut]
     assert eng.free_pages == eng.num_pages
+    assert not bool(eng.state.alloc_failed)  # the reserve never fell short
 
 
 # ----------------------------------------------------------- the real tokenizer, no weights
