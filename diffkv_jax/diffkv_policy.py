@@ -23,6 +23,16 @@ pruned; else appended), or pruned otherwise. The newcomer takes the victim's
 high slot; when the victim stays, the newcomer is appended. Tiers therefore
 stay dense and each grows by at most one token per step.
 
+A *fixed mix* (``high_frac``, ``low_frac``; for throughput sweeps at a chosen
+tier mix, e.g. a real model's where only random weights can be run) replaces
+the thresholds by quotas of the sequence length N: the prompt keeps its
+window plus its most important tokens high up to ``ceil(high_frac * N)``,
+the next ``ceil(low_frac * N)`` low and prunes the rest; at decode the high
+victim leaves when the newcomer would put the high tier over its quota, and
+the low victim is pruned (its slot reused) when the demoted token would put
+the low tier over its quota. The victims are the same least important
+tokens as with the thresholds.
+
 Token-eviction baselines (``rule`` other than "diffkv") reuse the same machinery
 with the low tier off: every kept token is high, an eviction is
 PRUNE_HIGH_VICTIM with the victim chosen by the rule (the newcomer takes its
@@ -91,6 +101,8 @@ class DiffKVPolicy:
       sinks: "streamingllm": first tokens always kept (attention sinks).
       pool_kernel, pooling: "snapkv": odd kernel size and "max" or "avg" pooling of
         the votes.
+      high_frac, low_frac: a fixed tier mix instead of the alphas ("diffkv" only;
+        see the module docstring): fractions of the sequence kept high and low.
     """
 
     alpha_high: float = 1.0
@@ -105,6 +117,12 @@ class DiffKVPolicy:
     sinks: int = 4
     pool_kernel: int = 7
     pooling: str = "max"
+    high_frac: float | None = None
+    low_frac: float | None = None
+
+    @property
+    def fixed_mix(self) -> bool:
+        return self.high_frac is not None
 
     def __post_init__(self):
         if not self.alpha_high > self.alpha_low >= 0:
@@ -118,6 +136,17 @@ class DiffKVPolicy:
             raise ValueError(f"normalizer must be 'length' or 'token', got {self.normalizer!r}")
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        if (self.high_frac is None) != (self.low_frac is None):
+            raise ValueError("a fixed mix needs both high_frac and low_frac")
+        if self.fixed_mix:
+            if self.rule != "diffkv":
+                raise ValueError("high_frac / low_frac apply to the diffkv rule only")
+            if not (0 < self.high_frac <= 1 and 0 <= self.low_frac
+                    and self.high_frac + self.low_frac <= 1):
+                raise ValueError(f"need 0 < high_frac, 0 <= low_frac, high_frac + low_frac "
+                                 f"<= 1; got {self.high_frac}, {self.low_frac}")
+            if self.low_frac > 0 and not self.low_tier:
+                raise ValueError("low_frac > 0 needs the low tier")
         if self.rule == "diffkv":
             if self.budget is not None or self.budget_ratio is not None:
                 raise ValueError("budget / budget_ratio apply to the token-eviction rules only")
@@ -190,6 +219,8 @@ def classify_prompt(policy: DiffKVPolicy, importance, prompt_len):
     T = importance.shape[-1]
     pos = jnp.arange(T, dtype=jnp.int32)
     L = prompt_len[..., None]
+    if policy.fixed_mix:
+        return _classify_by_quota(policy, importance, pos, L)
     n = _norm(policy, L, pos)
     th_h, th_l = policy.alpha_high / n, policy.alpha_low / n
     recent = pos >= L - policy.window
@@ -200,6 +231,32 @@ def classify_prompt(policy: DiffKVPolicy, importance, prompt_len):
         high, low = keep, jnp.zeros_like(low)
     tier = jnp.where(high, HIGH, jnp.where(low, LOW, PRUNED))
     return jnp.where(pos < L, tier, EMPTY).astype(jnp.int32)
+
+
+def _quota(frac: float, n):
+    """Tokens a tier may hold at sequence length ``n`` under a fixed mix."""
+    return jnp.ceil(frac * jnp.asarray(n, jnp.float32) - 1e-6).astype(jnp.int32)
+
+
+def _classify_by_quota(policy: DiffKVPolicy, importance, pos, L):
+    """:func:`classify_prompt` under a fixed mix: the window, then the most important
+    tokens, high up to the high quota; the next ones low up to the low quota."""
+    real = pos < L
+    recent = real & (pos >= L - policy.window)
+    # Rank of each token among the candidates (real, outside the window), most
+    # important first; ties go to the newer token.
+    key = jnp.where(real & ~recent, importance, -jnp.inf)
+    newer = jnp.broadcast_to(-pos, key.shape)
+    order = jnp.lexsort((newer, -key), axis=-1)
+    rank = jnp.argsort(order, axis=-1)
+    n_recent = jnp.sum(recent, axis=-1, keepdims=True)
+    high_room = jnp.maximum(_quota(policy.high_frac, L) - n_recent, 0)
+    low_room = _quota(policy.low_frac, L)
+    cand = real & ~recent
+    high = recent | (cand & (rank < high_room))
+    low = cand & ~high & (rank < high_room + low_room)
+    tier = jnp.where(high, HIGH, jnp.where(low, LOW, PRUNED))
+    return jnp.where(real, tier, EMPTY).astype(jnp.int32)
 
 
 def decode_decision(policy: DiffKVPolicy, vh, imp_vh, pos_vh, vl, imp_vl, pos_vl, n_high,
@@ -221,16 +278,22 @@ def decode_decision(policy: DiffKVPolicy, vh, imp_vh, pos_vh, vl, imp_vl, pos_vl
     """
     N = cur_pos + 1
     has_vh, has_vl = vh >= 0, vl >= 0
-    n_vh = _norm(policy, N, pos_vh)
-    th_h, th_l = policy.alpha_high / n_vh, policy.alpha_low / n_vh
-    if policy.low_tier:
-        leaves = has_vh & (imp_vh <= th_h)
-        demote = leaves & (imp_vh >= th_l)
+    if policy.fixed_mix:  # quotas of the sequence length instead of thresholds
+        leaves = has_vh & (n_high + 1 > _quota(policy.high_frac, N))
+        demote = leaves & (policy.low_frac > 0)
+        reuse_low = demote & has_vl & (n_low + 1 > _quota(policy.low_frac, N))
     else:
-        leaves = has_vh & (imp_vh < th_l)
-        demote = jnp.zeros_like(leaves)
-    # The low victim is pruned (and its slot reused) only below its own alpha_low / n.
-    reuse_low = demote & has_vl & (imp_vl < policy.alpha_low / _norm(policy, N, pos_vl))
+        n_vh = _norm(policy, N, pos_vh)
+        th_h, th_l = policy.alpha_high / n_vh, policy.alpha_low / n_vh
+        if policy.low_tier:
+            leaves = has_vh & (imp_vh <= th_h)
+            demote = leaves & (imp_vh >= th_l)
+        else:
+            leaves = has_vh & (imp_vh < th_l)
+            demote = jnp.zeros_like(leaves)
+        # The low victim is pruned (its slot reused) only below its own alpha_low / n.
+        reuse_low = demote & has_vl & (imp_vl < policy.alpha_low
+                                       / _norm(policy, N, pos_vl))
     action = jnp.where(~leaves, APPEND,
                        jnp.where(~demote, PRUNE_HIGH_VICTIM,
                                  jnp.where(reuse_low, DEMOTE_INTO_PRUNED_LOW,

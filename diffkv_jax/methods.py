@@ -171,7 +171,8 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     ``full`` options: ``page_size`` (tokens per page, default 16), ``attention_impl``.
     ``diffkv`` options: ``page_size`` (high-tier tokens per page, default 32),
     ``alpha_high``, ``alpha_low``, ``window``, ``obs_window``, ``low_tier``,
-    ``normalizer`` (see :class:`DiffKVPolicy`), ``high``, ``low`` (tiers such as
+    ``normalizer``, ``high_frac`` / ``low_frac`` (a fixed tier mix; see
+    :class:`DiffKVPolicy`), ``high``, ``low`` (tiers such as
     "K8V4" or :class:`Tier`), ``attention_impl`` ("reference" or "pallas"),
     ``write_impl`` ("xla" or "pallas": how decode writes its tokens).
     ``int8`` / ``k8v4``: the diffkv options except the ones that define them

@@ -11,6 +11,12 @@ the device, unless ``--model-path`` gives a checkpoint.
     python scripts/bench_throughput.py --model llama3-8b --methods full,diffkv \\
         --kv-budget-gb 8 --num-requests 384 --output-len 4096 --time-limit 300
 
+Methods take options after a colon, ``;``-separated: e.g.
+``"diffkv:high_frac=0.3;low_frac=0.4"`` runs DiffKV at a fixed tier mix (30% of
+tokens K8V4, 40% K4V2, the rest pruned: a sweep point, since random weights
+attend almost uniformly and the thresholds then prune nothing), and
+``diffkv:write_impl=pallas`` the token-writes kernel.
+
 Per method it reports generated tokens/s (decode and overall, compilation
 excluded), finished requests/s, the running batch over time (achieved batch),
 time to first token and per-token latency percentiles, the host share of the
