@@ -600,8 +600,10 @@ class Engine(Generator):
             req = self.requests[self.waiting[0]]
             need = self.method.pages_for_tokens(req.context_len)
             n = running + len(rows) + 1
-            fresh = sum(1 for _, start in rows if start == 0) + 1
-            if free - need < self._step_reserve(n, fresh) + n * self._headroom_per_row:
+            # Every row prefilled now counts the worst case for its first decode step
+            # (a prompt's last chunk moves its length past what the bound saw).
+            if free - need < (self._step_reserve(n, len(rows) + 1)
+                              + n * self._headroom_per_row):
                 break
             self.waiting.popleft()
             req.slot = free_slots.pop(0)
