@@ -363,7 +363,7 @@ class Engine(Generator):
         self._set_last = jax.jit(lambda last, slots, tok: last.at[slots].set(tok, mode="drop"))
         # The free count and growth bound (a copy: the state's own buffers are
         # donated by the next step).
-        self._count_free = jax.jit(lambda st: pool_counts(method, st))
+        self._pool_counts = jax.jit(lambda st: pool_counts(method, st))
         self._snapshot = jax.jit(lambda st: jax.tree_util.tree_map(
             jnp.copy, method.accounting_arrays(st)))
         self._pending: list[_Dispatch] = []
@@ -660,7 +660,7 @@ class Engine(Generator):
         need = sum(self.method.pages_for_tokens(r.context_len)
                    for r, start, _ in pieces if start == 0)
         if not done:
-            self._new_dispatch(self._run("count", None, self._count_free, self.state), need)
+            self._new_dispatch(self._run("count", None, self._pool_counts, self.state), need)
             return
         smp = self._sampling_arrays([r.sampling for _, r in done], B,
                                     steps=np.asarray([len(r.output) for _, r in done]
@@ -685,7 +685,7 @@ class Engine(Generator):
             # preempted request keeps its place (preempting it again would throw
             # away the recomputation it has just paid for).
             self._order[s], self._live[s] = r.id, True
-        self._new_dispatch(self._run("count", None, self._count_free, self.state), need,
+        self._new_dispatch(self._run("count", None, self._pool_counts, self.state), need,
                            growth=("admit", len(done)), tokens=first,
                            rows=[(j, r.id, r.epoch) for j, (_, r) in enumerate(done)])
 
@@ -788,7 +788,7 @@ class Engine(Generator):
         mask[slots] = True
         self.state = self._run("release", None, self.steps.release, self.state,
                                jnp.asarray(mask))
-        d = self._new_dispatch(self._run("count", None, self._count_free, self.state), 0,
+        d = self._new_dispatch(self._run("count", None, self._pool_counts, self.state), 0,
                                accounting=accounting,
                                released=released)
         for rid, _ in released:

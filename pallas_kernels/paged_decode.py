@@ -6,9 +6,10 @@ range of the row's pages: the row's tiers are laid end to end (DiffKV's high
 pages, then its low pages), walked one page per step with one online softmax
 across tiers. :func:`plan_work` cuts the rows into items of at most the same
 number of pages on the device, so ragged rows keep every program equally
-busy; :func:`even_work` gives each row a fixed number of equal splits. Keys enter the ``q . k`` dot as integer codes and the per-token
-scale/zero are applied to the logits; values likewise through the
-probabilities:
+busy; :func:`even_work` gives each row a fixed number of equal splits.
+
+Keys enter the ``q . k`` dot as integer codes and the per-token scale/zero
+are applied to the logits; values likewise through the probabilities:
 
     q . k_hat = scale_k * (q . codes_k) + zero_k * sum(q)
     sum_t p_t v_hat_t = sum_t (p_t scale_t) codes_t + sum_t p_t zero_t
