@@ -50,7 +50,7 @@ from diffkv_jax import quantization as qz
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.paged_cache import SlotAccounting
 from diffkv_jax import prompt_scoring
-from diffkv_jax.pool_writes import scatter_set
+from diffkv_jax.pool_writes import scatter_columns, scatter_rows, scatter_set
 from diffkv_jax.unified_page import Tier, UnifiedPageLayout
 from pallas_kernels import paged_decode as pdk
 
@@ -253,8 +253,8 @@ class DiffKVCache(SlotAccounting):
         """Scatter tokens' key and value bytes of ``tier`` to ``(page, slot)``."""
         kw, cap = self.layout.key_width(tier), self.cap(tier)
         # Keys are a token-major row of the page, values a column of its value rows.
-        data = _scatter_rows(state.data, page, slot * kw, kp)
-        return state.replace(data=_scatter_columns(data, cap, page, kw, slot, vp))
+        data = scatter_rows(state.data, page, slot * kw, kp)
+        return state.replace(data=scatter_columns(data, cap, page, kw, slot, vp))
 
     @staticmethod
     def _write_side(state: DiffKVState, page, slot, side):
@@ -632,29 +632,6 @@ class DiffKVCache(SlotAccounting):
             "frac_low": low / max(total, 1),
             "frac_pruned": 1 - (high + low) / max(total, 1),
         }
-
-
-def _scatter_rows(data, page, start, rows):
-    """``data[page, start : start + w] = rows`` for every index (``rows [..., w]``).
-
-    A windowed scatter (one index pair per row, not per byte); rows whose page
-    is out of range are dropped.
-    """
-    w = rows.shape[-1]
-    idx = jnp.stack([page, start], axis=-1).reshape(-1, 2).astype(jnp.int32)
-    dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
-                                            scatter_dims_to_operand_dims=(0, 1))
-    return jax.lax.scatter(data, idx, rows.reshape(-1, w).astype(data.dtype), dnums,
-                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
-
-
-def _scatter_columns(data, cap: int, page, row, col, cols):
-    """Seen as rows of ``cap`` bytes: ``data[page, (row + r) * cap + col] = cols[..., r]``
-    for every index (``cols [..., w]``: a column of the value rows); out-of-range
-    pages are dropped."""
-    w = cols.shape[-1]
-    offsets = (row + jnp.arange(w)) * cap + col[..., None]
-    return scatter_set(data, (page[..., None], offsets), cols.astype(data.dtype))
 
 
 def compressed_decode_attention(q, k_new, v_new, hi: RowView, lo: RowView):

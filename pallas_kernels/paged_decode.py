@@ -488,8 +488,7 @@ def merge_work(o, m, l, work: WorkList, S: int, H: int, extra=None):
     # Unused items fall in segment R, whose max is 0: their weights are exp(-huge) = 0.
     M = jax.ops.segment_max(m, seg, num_segments=R + 1, indices_are_sorted=True)
     M = jnp.maximum(M, NEG_INF).at[R].set(0.0)
-    if extra is not None:  # the extra source may carry padded group rows
-        extra = [x[:, :, :G] for x in extra]
+    if extra is not None:
         M = M.at[:R].max(extra[1].reshape(R, G))
     c = jnp.exp(m - M[seg])
     L = jax.ops.segment_sum(l * c, seg, num_segments=R + 1, indices_are_sorted=True)[:R]
@@ -536,10 +535,9 @@ def merge_partials(parts, extra=None):
     ms = [p[1] for p in parts]
     ls = [p[2] for p in parts]
     if extra is not None:
-        G = os[0].shape[3]  # the extra source may carry padded group rows
-        os.append(extra[0][:, :, None, :G])
-        ms.append(extra[1][:, :, None, :G])
-        ls.append(extra[2][:, :, None, :G])
+        os.append(extra[0][:, :, None])
+        ms.append(extra[1][:, :, None])
+        ls.append(extra[2][:, :, None])
     o = jnp.concatenate(os, axis=2)
     m = jnp.concatenate(ms, axis=2)
     l = jnp.concatenate(ls, axis=2)

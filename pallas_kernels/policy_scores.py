@@ -75,10 +75,6 @@ def _lexmin(key, tie, slot, eligible, axis=None):
     return kmin, tmin, smin
 
 
-def _lanes_len(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def no_victims(S: int, H: int):
     """The victims of a tier a row cannot hold: none (slot -1)."""
     return (jnp.full((S, H), -1, jnp.int32), jnp.full((S, H), jnp.inf),
@@ -161,7 +157,7 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
 def _lanes(values, dtype):
     """Scalars as one vector (the Triton lowering stores vectors, not scalars, of a
     power-of-two length: padded with zeros)."""
-    n = _lanes_len(len(values))
+    n = pl.next_power_of_2(len(values))
     lane = lax.broadcasted_iota(jnp.int32, (n,), 0)
     out = jnp.zeros((n,), dtype)
     for i, v in enumerate(values):
@@ -211,7 +207,7 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
     args = [M2, Lg, row, positions, scores, *logits, *[p.astype(jnp.int32) for p in pages]]
     in_specs = [per_row(M2), per_row(Lg), per_row(row), whole(positions), whole(scores),
                 *[per_row(x) for x in logits], *[per_row(p) for p in pages]]
-    n_int, n_float = _lanes_len(3 * n_t), _lanes_len(2 * n_t)
+    n_int, n_float = pl.next_power_of_2(3 * n_t), pl.next_power_of_2(2 * n_t)
     out_shape = [jax.ShapeDtypeStruct(scores.shape, scores.dtype),
                  jax.ShapeDtypeStruct((S, H, K, n_int), jnp.int32),
                  jax.ShapeDtypeStruct((S, H, K, n_float), jnp.float32)]

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from diffkv_jax.pool_writes import scatter_set
+from diffkv_jax.pool_writes import scatter_columns, scatter_rows, scatter_set
 from pallas_kernels import backend
 
 
@@ -129,13 +129,12 @@ def write_tokens(data, k_meta, v_meta, scores, positions, writes: Sequence[Token
 
 def write_tokens_reference(data, k_meta, v_meta, scores, positions,
                            writes: Sequence[TokenWrite]):
-    """Plain-jnp :func:`write_tokens` (XLA scatters, out-of-range pages dropped)."""
+    """Plain-jnp :func:`write_tokens`: the scatters the cache's XLA path uses
+    (out-of-range pages dropped)."""
     for w in writes:
-        kw, vw, cap = w.fmt.key_width, w.fmt.value_width, w.fmt.slots
-        key_cols = w.slot[..., None] * kw + jnp.arange(kw)
-        val_cols = (kw + jnp.arange(vw)) * cap + w.slot[..., None]
-        data = scatter_set(data, (w.page[..., None], key_cols), w.keys)
-        data = scatter_set(data, (w.page[..., None], val_cols), w.values)
+        kw = w.fmt.key_width
+        data = scatter_rows(data, w.page, w.slot * kw, w.keys)
+        data = scatter_columns(data, w.fmt.slots, w.page, kw, w.slot, w.values)
         at = (w.page, w.slot)
         k_meta = scatter_set(k_meta, at, w.k_meta)
         v_meta = scatter_set(v_meta, at, w.v_meta)
