@@ -51,12 +51,22 @@ def _grouped_query(q, H: int):
     return pdk.pad_group(qg, 16) if backend.on_gpu() else qg
 
 
-def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, active):
+def plan_full_work(lengths, active, page_size: int, H: int) -> pdk.WorkList:
+    """Work list of the uncompressed cache's attention launches in a decode step: every
+    layer's rows hold ``lengths [S]`` tokens, so one plan serves all layers
+    (rows not ``active [S]`` get no item)."""
+    S = lengths.shape[0]
+    pages = jnp.broadcast_to((lengths.astype(jnp.int32) + page_size - 1) // page_size
+                             * active, (H, S)).T
+    return pdk.plan_work(pages, work_items(S, H))
+
+
+def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work: pdk.WorkList):
     """:func:`diffkv_jax.attention.paged_decode_attention` through the kernel.
 
     ``q [S, nq, D]``; ``k_pages, v_pages [P, page_size, D]``; ``page_ids [S, H, n]``;
-    ``lengths [S]`` tokens to attend to; ``active [S]`` rows to compute (the others
-    come out as zeros). Returns ``[S, nq, D]`` float32.
+    ``lengths [S]`` tokens to attend to; ``work``: :func:`plan_full_work` of the step
+    (rows without items come out as zeros). Returns ``[S, nq, D]`` float32.
     """
     S, nq, D = q.shape
     H = page_ids.shape[1]
@@ -64,7 +74,6 @@ def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, active):
     fmt = pdk.TierFormat(16, 16, D, k_pages.shape[1])
     ntok = jnp.broadcast_to(lengths[:, None], (S, H)).astype(jnp.int32)
     tier = pdk.TierInput(fmt, k_pages, v_pages, None, page_ids, ntok)
-    work = pdk.plan_work(pdk.row_pages([tier], active), work_items(S, H))
     o, m, l, _ = pdk.paged_decode_partials(_grouped_query(q, H), [tier], group=G,
                                            cfg=_launch(False), work=work)
     out, _, _ = pdk.merge_work(o, m, l, work, S, H)

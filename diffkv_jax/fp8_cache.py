@@ -120,7 +120,7 @@ class Fp8Cache(FullCache):
         vs = self._scales(self.v_scale, layer)[:, None]
         return k.astype(jnp.float32) * ks, v.astype(jnp.float32) * vs
 
-    def _paged_attention(self, layer, q, k_pages, v_pages, page_ids, lengths, active):
+    def _paged_attention(self, layer, q, k_pages, v_pages, page_ids, lengths, work):
         # softmax(q . (s_k k)) (s_v v) == s_v softmax((s_k q) . k) v per KV head: the
         # scales go on the query and the output instead of on every gathered token.
         group = q.shape[1] // self.num_kv_heads

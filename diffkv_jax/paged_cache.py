@@ -256,6 +256,12 @@ class FullCache(SlotPages):
 
     # ---- decode -----------------------------------------------------------------
     def begin_decode(self, state: PagedKVState, batch: DecodeBatch):
+        if self.attention_impl == "pallas":  # one kernel work list serves every layer
+            from diffkv_jax.diffkv_kernel_attention import plan_full_work
+
+            S = self.max_seqs
+            batch = batch.replace(work=plan_full_work(state.lengths[:S] + 1, batch.active,
+                                                      self.page_size, self.num_kv_heads))
         return state, batch
 
     def decode_positions(self, state: PagedKVState) -> jax.Array:
@@ -276,7 +282,7 @@ class FullCache(SlotPages):
                               v_pages=scatter_set(state.v_pages, (page, off), v))
         ids = rows[:, :, :batch.num_page_slots]
         out = self._paged_attention(layer, q[:, 0], state.k_pages, state.v_pages, ids,
-                                    pos + 1, batch.active)
+                                    pos + 1, batch.work)
         return state, out[:, None]
 
     # Storage hooks: a cache that stores K/V in another form (e.g. scaled FP8)
@@ -289,13 +295,14 @@ class FullCache(SlotPages):
         """Inverse of :meth:`_encode`: gathered page contents ``[..., KVH, D]`` as values."""
         return k, v
 
-    def _paged_attention(self, layer, q, k_pages, v_pages, page_ids, lengths, active):
+    def _paged_attention(self, layer, q, k_pages, v_pages, page_ids, lengths, work):
         """Decode attention of ``q [S, nq, D]`` over the pages ``page_ids [S, KVH, n]``
-        (``lengths [S]`` tokens each; rows not ``active [S]`` may come out as zeros)."""
+        (``lengths [S]`` tokens each; ``work``: the kernel path's work list from
+        :meth:`begin_decode`, whose inactive rows come out as zeros)."""
         if self.attention_impl == "pallas":
             from diffkv_jax.diffkv_kernel_attention import full_decode_attention
 
-            return full_decode_attention(q, k_pages, v_pages, page_ids, lengths, active)
+            return full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work)
         return attn_ref.paged_decode_attention(q, k_pages, v_pages, page_ids, lengths)
 
     def end_decode(self, state: PagedKVState, batch: DecodeBatch) -> PagedKVState:
