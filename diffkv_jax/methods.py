@@ -60,7 +60,7 @@ def _diffkv_cache(cfg: ModelConfig, *, max_seqs: int, max_context: int, page_siz
     tiers = {k: (parse_tier(options.pop(k)) if isinstance(options.get(k), str)
                  else options.pop(k)) for k in ("high", "low") if k in options}
     impl = options.pop("attention_impl", "reference")
-    writes = options.pop("write_impl", "xla")
+    writes = options.pop("write_impl", "auto")
     policy = DiffKVPolicy(**options)
     return DiffKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                        max_context=max_context, policy=policy,
@@ -174,7 +174,8 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     ``normalizer``, ``high_frac`` / ``low_frac`` (a fixed tier mix; see
     :class:`DiffKVPolicy`), ``high``, ``low`` (tiers such as
     "K8V4" or :class:`Tier`), ``attention_impl`` ("reference" or "pallas"),
-    ``write_impl`` ("xla" or "pallas": how decode writes its tokens).
+    ``write_impl`` ("auto", "xla" or "pallas": how decode writes its tokens; "auto"
+    is the kernel on the GPU kernel path).
     ``int8`` / ``k8v4``: the diffkv options except the ones that define them
     (``high``, ``low``, ``low_tier``, ``alpha_low``).
     ``h2o`` / ``streamingllm`` / ``snapkv`` (token eviction, every kept token K8V8):

@@ -33,7 +33,7 @@ case "${1:-}" in
     python scripts/step_breakdown.py --model llama3-8b --methods full,diffkv --batch 64 \
       --context 4096 --iters 5 --profile 3 --top 20 --json "$OUT/step_breakdown.json" ;;
   diffkv|full)
-    # METHOD_OPTS: options of the method, e.g. METHOD_OPTS="write_impl=pallas"
+    # METHOD_OPTS: options of the method, e.g. METHOD_OPTS="high_frac=0.5;low_frac=0.3"
     # shellcheck disable=SC2086
     python scripts/bench_throughput.py $THROUGHPUT --methods "$1${METHOD_OPTS:+:$METHOD_OPTS}" \
       --out "$OUT/throughput_$1" ;;

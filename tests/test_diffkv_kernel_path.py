@@ -28,20 +28,36 @@ def test_kernel_path_matches_reference_path(tiny_model, opts):
         assert abs(a.memory[key] - b.memory[key]) < 0.01
 
 
-def test_token_writes_kernel_gives_the_same_decode_as_the_scatters(tiny_model):
-    # Only how the step's tokens reach the pool differs: the results are identical.
+@pytest.mark.parametrize("name,opts", [("diffkv", {"alpha_high": 1.0, "alpha_low": 0.05}),
+                                       ("int8", {"alpha_high": 1.0})])
+def test_token_writes_kernel_gives_the_same_decode_as_the_scatters(tiny_model, name, opts):
+    # Only how the step's tokens reach the pool differs: the results are identical,
+    # for both tiers and for the single-tier layout (which "auto" does not pick yet).
     cfg, params = tiny_model
     rng = np.random.default_rng(5)
     docs = [list(rng.integers(0, cfg.vocab_size, size=100)) for _ in range(2)]
-    xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=8, window=8,
-                      alpha_high=1.0, alpha_low=0.05, attention_impl="pallas")
+    xla = make_method(name, cfg, max_seqs=2, max_context=128, page_size=8, window=8,
+                      attention_impl="pallas", write_impl="xla", **opts)
     fused = dataclasses.replace(xla, write_impl="pallas")
+    assert not xla.fused_writes and fused.fused_writes
     a = score_teacher_forced(cfg, params, xla, docs, 20, progress=False)
     b = score_teacher_forced(cfg, params, fused, docs, 20, progress=False)
     np.testing.assert_array_equal(a.nll, b.nll)
-    assert a.memory == b.memory and a.memory["frac_low"] > 0
+    assert a.memory == b.memory
+    assert a.memory["frac_low"] > 0 if name == "diffkv" else a.memory["frac_high"] == 1
     with pytest.raises(ValueError, match="write_impl"):
         dataclasses.replace(xla, write_impl="cuda")
+
+
+def test_token_writes_kernel_is_the_default_only_on_the_gpu_kernel_path(tiny_model):
+    from pallas_kernels import backend
+
+    cfg, _ = tiny_model
+    kernels = make_method("diffkv", cfg, max_seqs=2, max_context=128, attention_impl="pallas")
+    assert kernels.write_impl == "auto" and kernels.fused_writes == backend.on_gpu()
+    assert not make_method("diffkv", cfg, max_seqs=2, max_context=128).fused_writes
+    assert not make_method("int8", cfg, max_seqs=2, max_context=128,
+                           attention_impl="pallas").fused_writes
 
 
 def test_pallas_impl_rejects_unfit_tiers():

@@ -10,7 +10,7 @@ from diffkv_jax.steps import CompiledSteps
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,opts", [("full", {}), ("diffkv", {}),
+@pytest.mark.parametrize("name,opts", [("full", {}), ("diffkv", {"write_impl": "xla"}),
                                        ("diffkv", {"write_impl": "pallas"})])
 def test_decode_with_few_active_rows_matches_the_reference_step_on_gpu(tiny_model, name, opts):
     """Two long rows active out of 32 slots (each split into many work items, a
