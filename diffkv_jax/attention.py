@@ -76,7 +76,7 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arr
 
 
 def prefix_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array,
-                            lengths: jax.Array) -> jax.Array:
+                            lengths: jax.Array, block: int = 128) -> jax.Array:
     """A prompt chunk's attention over everything before it and itself (chunked prefill).
 
     Args:
@@ -84,11 +84,52 @@ def prefix_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_start: j
       k, v: ``[B, S, nkv, D]``, keys and values of positions ``0 .. S-1`` (the cached
         prefix and the chunk; positions past ``q_start + lengths`` are ignored).
       q_start, lengths: ``[B]`` the chunk's first position and its valid tokens.
+      block: queries per step of :func:`blocked_prefix_attention`.
     Returns:
       ``[B, T, nq, D]`` float32; equals :func:`causal_attention` over the whole
       prompt, restricted to the chunk's rows.
     """
-    return _attend(_chunk_probs(q, k, q_start, lengths), v)
+    return blocked_prefix_attention(q, k, v, q_start, lengths, block)[0]
+
+
+def blocked_prefix_attention(q, k, v, q_start, lengths, block: int = 128, reduce=None):
+    """:func:`prefix_causal_attention` a block of queries at a time, so only
+    ``block x S`` probabilities per head exist at once (a chunk attends to its whole
+    prefix: ``S`` grows with the context).
+
+    ``reduce(p, start, n)``, if given, maps each block's probabilities
+    ``[B, nkv, G, block, S]`` (its queries at ``start + t``, ``n`` of them valid) to an
+    array; the blocks' arrays are summed. Returns ``(out, summed)`` (``summed`` None
+    without ``reduce``).
+    """
+    B, T = q.shape[:2]
+    blk = min(block, T)
+    nb = -(-T // blk)
+    qp = jnp.pad(q, ((0, 0), (0, nb * blk - T), (0, 0), (0, 0)))
+
+    def one(acc, i):
+        qb = jax.lax.dynamic_slice_in_dim(qp, i * blk, blk, axis=1)
+        start = q_start + i * blk
+        n = jnp.clip(lengths - i * blk, 0, blk)
+        p = _chunk_probs(qb, k, start, n)
+        acc = None if reduce is None else acc + reduce(p, start, n)
+        return acc, _attend(p, v)
+
+    init = None
+    if reduce is not None:
+        shape = jax.eval_shape(lambda: reduce(
+            jnp.zeros((B, k.shape[2], q.shape[2] // k.shape[2], blk, k.shape[1]), jnp.float32),
+            q_start, lengths))
+        init = jnp.zeros(shape.shape, shape.dtype)
+    summed, outs = jax.lax.scan(one, init, jnp.arange(nb))  # outs [nb, B, blk, nq, D]
+    out = outs.transpose(1, 0, 2, 3, 4).reshape(B, nb * blk, *outs.shape[3:])[:, :T]
+    return out, summed
+
+
+def prefix_causal_probs(q: jax.Array, k: jax.Array, q_start: jax.Array,
+                        lengths: jax.Array) -> jax.Array:
+    """The probabilities ``[B, nkv, G, T, S]`` of :func:`prefix_causal_attention`."""
+    return _chunk_probs(q, k, q_start, lengths)
 
 
 def causal_attention_probs(q: jax.Array, k: jax.Array, lengths: jax.Array) -> jax.Array:

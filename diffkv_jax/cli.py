@@ -58,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode attention: plain jnp (default) or the Pallas paged kernel "
                         "(interpret mode without a GPU)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
-                   help="prefill prompts this many tokens per step (the full and fp8 "
-                        "caches); default: whole prompts")
+                   help="prefill prompts this many tokens per step (every cache but "
+                        "kivi); default: whole prompts")
     p.add_argument("--max-context", type=int, default=None,
                    help="longest sequence to plan for (default: what the prompts need, "
                         "capped by the model's context)")

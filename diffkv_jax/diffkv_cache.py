@@ -193,7 +193,8 @@ class DiffKVCache(SlotAccounting):
         S = self.max_seqs
         caps = jnp.asarray([self.cap(HI), self.cap(LO)], jnp.int32)
         room = state.n_pages[:S] * caps - state.n_tok[:S]  # [S, L, H, 2] free slots
-        live = (state.seq_len[:S] > 0)[:, None, None, None]
+        # (a prompt still arriving in chunks has no prompt length yet and does not decode)
+        live = ((state.seq_len[:S] > 0) & (state.prompt_len[:S] > 0))[:, None, None, None]
         if not self.policy.low_tier:
             live = live & (jnp.arange(2) == HI)
         m = jnp.arange(1, steps + 1)
@@ -309,51 +310,153 @@ class DiffKVCache(SlotAccounting):
         Whole pages are gathered and sliced (contiguous reads), then unpacked and
         dequantized; slot ``j * cap + s`` is slot ``s`` of the row's j-th page of the tier.
         """
-        S, H, cap, D = self.max_seqs, self.num_kv_heads, self.cap(tier), self.head_dim
-        lay, t = self.layout, self._tier(tier)
+        S, cap = self.max_seqs, self.cap(tier)
         rows = state.page_table[:S, layer]  # [S, H, R]
         cols = jnp.arange(n_pages) if tier == HI else self.row_len - 1 - jnp.arange(n_pages)
         pids = rows[:, :, cols]  # [S, H, n_pages]
-        n = n_pages * cap
-        meta = lambda a: a[pids][..., :cap].reshape(S, H, n)  # noqa: E731
         ids = jnp.repeat(pids, cap, axis=-1)
         slot = jnp.broadcast_to(jnp.tile(jnp.arange(cap, dtype=jnp.int32), n_pages), ids.shape)
-        valid = jnp.arange(n) < state.n_tok[:S, layer, :, tier][..., None]
-        blob = state.data[pids]  # [S, H, n_pages, data_bytes]
+        valid = jnp.arange(n_pages * cap) < state.n_tok[:S, layer, :, tier][..., None]
+        k, v, scores, positions = self._read_pages(state, tier, pids)
+        return RowView(ids=ids, slot=slot, valid=valid, scores=scores, positions=positions,
+                       keys=k, values=v)
+
+    def _read_pages(self, state: DiffKVState, tier: int, pids):
+        """Every slot of pages ``pids [..., n]`` read as ``tier``: dequantized keys and
+        values ``[..., n * cap, D]`` float32, scores and positions ``[..., n * cap]``."""
+        cap, D = self.cap(tier), self.head_dim
+        lay, t = self.layout, self._tier(tier)
+        lead, n_pages = pids.shape[:-1], pids.shape[-1]
+        n = n_pages * cap
+        meta = lambda a: a[pids][..., :cap].reshape(*lead, n)  # noqa: E731
+        blob = state.data[pids]  # [..., n_pages, data_bytes]
         kw, vw = lay.key_width(tier), lay.value_width(tier)
-        kb = blob[..., :cap * kw].reshape(S, H, n, kw)
-        vb = blob[..., cap * kw:cap * (kw + vw)].reshape(S, H, n_pages, vw, cap)
-        vb = vb.swapaxes(-1, -2).reshape(S, H, n, vw)
+        kb = blob[..., :cap * kw].reshape(*lead, n, kw)
+        vb = blob[..., cap * kw:cap * (kw + vw)].reshape(*lead, n_pages, vw, cap)
+        vb = vb.swapaxes(-1, -2).reshape(*lead, n, vw)
         ks, kz = pdk.unpack_meta(meta(state.k_meta))
         vs, vz = pdk.unpack_meta(meta(state.v_meta))
-        k = qz.dequantize_packed(kb, ks, kz, t.k_bits, D)
-        v = qz.dequantize_packed(vb, vs, vz, t.v_bits, D)
-        return RowView(ids=ids, slot=slot, valid=valid, scores=meta(state.scores),
-                       positions=meta(state.positions), keys=k, values=v)
+        return (qz.dequantize_packed(kb, ks, kz, t.k_bits, D),
+                qz.dequantize_packed(vb, vs, vz, t.v_bits, D),
+                meta(state.scores), meta(state.positions))
 
     # ---- prefill ----------------------------------------------------------------------
-    def _conservative_pages(self, T: int) -> int:
-        return min(T // self.cap(HI) + (2 if self.policy.low_tier else 1), self.row_len)
+    #: Prompts may be prefilled in chunks (``PrefillBatch.start``). A prompt's chunks
+    #: are held at the high tier, their queries' probabilities added to every earlier
+    #: token's score, and the last chunk classifies and compresses the whole prompt
+    #: (:meth:`_prefill_chunk`).
+    supports_chunked_prefill = True
+
+    def prompt_pages(self, T) -> int:
+        """Pages of the conservative set a ``T``-token prompt gets in each (layer, head):
+        every token high, plus a page of headroom per tier. ``T`` int or int32 array."""
+        n = T // self.cap(HI) + (2 if self.policy.low_tier else 1)
+        return jnp.minimum(n, self.row_len) if isinstance(n, jax.Array) else min(n, self.row_len)
 
     def begin_prefill(self, state: DiffKVState, batch: PrefillBatch):
-        """Allocate a conservative page set for every (row, layer, head) at once."""
+        """Allocate a conservative page set for every (row, layer, head) at once.
+
+        A chunked batch allocates, for each row's first chunk, the set of its whole
+        prompt (``batch.total``) and puts it in the high columns of the page table;
+        later chunks find it there.
+        """
+        if batch.start is not None:
+            return self._begin_chunks(state, batch)
         B, T = batch.tokens.shape
         L, H = self.num_layers, self.num_kv_heads
-        c_max = self._conservative_pages(T)
-        per_row = jnp.where(batch.lengths > 0,
-                            jnp.minimum(batch.lengths // self.cap(HI)
-                                        + (2 if self.policy.low_tier else 1), self.row_len), 0)
+        c_max = self.prompt_pages(T)
+        per_row = jnp.where(batch.lengths > 0, self.prompt_pages(batch.lengths), 0)
         counts = jnp.broadcast_to(per_row[:, None, None], (B, L, H)).reshape(-1)
         free, ids, ok = fl.allocate(state.free, counts, c_max)
         ids = ids.reshape(B, L, H, c_max)
         state = state.replace(free=free, alloc_failed=state.alloc_failed | ~ok)
         return state, (batch, ids, per_row)
 
+    def _begin_chunks(self, state: DiffKVState, batch: PrefillBatch):
+        B = batch.tokens.shape[0]
+        S, L, H = self.max_seqs, self.num_layers, self.num_kv_heads
+        W = min(batch.num_page_slots, self.row_len)
+        per_row = jnp.where(batch.total > 0, self.prompt_pages(batch.total), 0)
+        first = batch.start == 0
+        counts = jnp.broadcast_to(jnp.where(first, per_row, 0)[:, None, None], (B, L, H))
+        free, ids, ok = fl.allocate(state.free, counts.reshape(-1), W)
+        ids = ids.reshape(B, L, H, W)
+        dest = jnp.where(first & ok, batch.slots, S + 1)  # S + 1: dropped
+        table = state.page_table.at[dest, :, :, :W].set(
+            jnp.where(ids >= 0, ids, self.trash_page(state)), mode="drop")
+        held = jnp.arange(W) < per_row[:, None, None, None]
+        held = held & ~(first & ~ok)[:, None, None, None]
+        set_ids = jnp.where(held, table[batch.slots, :, :, :W], -1)
+        state = state.replace(page_table=table, free=free, alloc_failed=state.alloc_failed | ~ok)
+        return state, (batch, set_ids, per_row)
+
     def prefill_attention(self, state: DiffKVState, layer, q, k, v, ctx):
         batch, ids, per_row = ctx
+        if batch.start is not None:
+            return self._prefill_chunk(state, layer, q, k, v, ctx)
         out = attn_ref.prefill_attention(q, k, v, batch.lengths)
         score_sum = prompt_scoring.prompt_scores(q, k, batch.lengths, self.policy.obs_window)
         return self.prefill_write(state, layer, k, v, score_sum, batch, ids, per_row), out
+
+    def _prefill_chunk(self, state: DiffKVState, layer, q, k, v, ctx):
+        """One layer of a prompt chunk (``batch.start`` tokens already held, at the high
+        tier in slot order, i.e. token ``j`` in slot ``j % cap`` of the set's page
+        ``j // cap``).
+
+        The chunk's tokens join them; the chunk attends to the prefix as stored
+        (dequantized, as decode steps see it) and to itself at full precision; its
+        counted queries' probabilities are added to every held token's score. On a
+        row's last chunk the whole prompt is classified from those scores and written
+        to its tiers by :meth:`prefill_write`, as a whole-prompt prefill does, with
+        the prefix re-quantized from its stored codes.
+        """
+        batch, set_ids, per_row = ctx
+        B, T = batch.tokens.shape
+        S, H, cap = self.max_seqs, self.num_kv_heads, self.cap(HI)
+        row_set = set_ids[:, layer]  # [B, H, W]
+        W = row_set.shape[-1]
+        N = W * cap
+        start, n = batch.start, batch.lengths
+        held = start + n
+        t = jnp.arange(T)
+        pos = start[:, None] + t[None]  # [B, T]
+        in_chunk = t[None] < n[:, None]
+        skip = self.no_page(state)
+        kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, H, T, D]
+        # 1. The chunk's tokens join the held ones (their scores follow in 3).
+        col = jnp.broadcast_to(jnp.minimum(pos // cap, W - 1)[:, None], (B, H, T))
+        page = jnp.take_along_axis(row_set, col, axis=-1)
+        page = jnp.where(in_chunk[:, None] & (page >= 0), page, skip)
+        posb = jnp.broadcast_to(pos[:, None], (B, H, T))
+        state = self._write_tokens(state, HI, page, posb % cap, kt, vt,
+                                   jnp.zeros((B, H, T), jnp.float32), posb)
+        # 2. The row as stored, the chunk itself at full precision.
+        keys, values, stored, _ = self._read_pages(
+            state, HI, jnp.where(row_set >= 0, row_set, self.trash_page(state)))
+        at = (jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None],
+              jnp.where(in_chunk, pos, N)[:, None, :])
+        keys = keys.at[at].set(kt.astype(jnp.float32), mode="drop").transpose(0, 2, 1, 3)
+        values = values.at[at].set(vt.astype(jnp.float32), mode="drop").transpose(0, 2, 1, 3)
+        # 3. Scores: the prefix's so far plus what this chunk's counted queries give.
+        counted_from = (jnp.zeros_like(start) if self.policy.obs_window is None
+                        else batch.total - self.policy.obs_window)
+        out, gained = attn_ref.blocked_prefix_attention(  # keys, values [B, N, H, D]
+            q, keys, values, start, n,
+            reduce=lambda p, s0, m: prompt_scoring.chunk_scores(p, s0, m, counted_from))
+        j = jnp.arange(N)
+        score = jnp.where(j < start[:, None, None], stored, 0.0) + gained
+        final = (held == batch.total) & (batch.total > 0)
+        going = (j < held[:, None, None]) & ~final[:, None, None]
+        spage = jnp.repeat(row_set, cap, axis=-1)
+        spage = jnp.where(going & (spage >= 0), spage, skip)
+        state = state.replace(scores=scatter_set(
+            state.scores, (spage, jnp.broadcast_to(j % cap, spage.shape)), score))
+        # 4. Rows whose prompt is now complete: classify it whole and compress it.
+        whole = PrefillBatch(jnp.zeros((B, N), jnp.int32), jnp.where(final, held, 0),
+                             jnp.where(final, batch.slots, S + 1))
+        state = self.prefill_write(state, layer, keys, values, score, whole,
+                                   jnp.where(final[:, None, None, None], set_ids, -1), per_row)
+        return state, out
 
     def prefill_write(self, state: DiffKVState, layer, k, v, score_sum, batch: PrefillBatch,
                       ids, per_row):
@@ -411,25 +514,47 @@ class DiffKVCache(SlotAccounting):
         table = state.page_table.at[b_i, layer, h_i, hi_cols].set(row_ids, mode="drop")
         table = table.at[b_i, layer, h_i, lo_cols].set(lo_ids, mode="drop")
         okr = ok[..., 0]
+        # (slots past the scratch row, i.e. rows a chunked batch does not finish: dropped)
         n_tok = state.n_tok.at[batch.slots, layer].set(
-            jnp.stack([jnp.where(okr, n_h, 0), jnp.where(okr, n_l, 0)], -1))
+            jnp.stack([jnp.where(okr, n_h, 0), jnp.where(okr, n_l, 0)], -1), mode="drop")
         n_pages = state.n_pages.at[batch.slots, layer].set(
-            jnp.stack([jnp.where(okr, p_h, 0), jnp.where(okr, p_l, 0)], -1))
+            jnp.stack([jnp.where(okr, p_h, 0), jnp.where(okr, p_l, 0)], -1), mode="drop")
         return state.replace(page_table=table, n_tok=n_tok, n_pages=n_pages)
 
     def end_prefill(self, state: DiffKVState, ctx) -> DiffKVState:
-        """Return the unused middle of every conservative page set to the free list."""
+        """Return the unused middle of every conservative page set to the free list.
+
+        In a chunked batch only rows whose prompt is complete do so; the others keep
+        their whole set as high pages holding their tokens so far, and no prompt
+        length yet (they do not decode, and their regions do not grow).
+        """
         batch, ids, per_row = ctx
+        S = self.max_seqs
+        if batch.start is None:
+            held = total = batch.lengths
+            final = jnp.ones(batch.lengths.shape, bool)
+        else:
+            held, total = batch.start + batch.lengths, batch.total
+            final = (held == total) & (total > 0)
         c = ids.shape[-1]
         j = jnp.arange(c)
         np_ = state.n_pages[batch.slots]  # [B, L, H, 2]
         keep_hi = j < np_[..., HI:HI + 1]
         keep_lo = j >= per_row[:, None, None, None] - np_[..., LO:LO + 1]
-        surplus = jnp.where(keep_hi | keep_lo, -1, ids)
+        keep = keep_hi | keep_lo | ~final[:, None, None, None]
+        surplus = jnp.where(keep, -1, ids)
         state = state.replace(free=fl.release(state.free, surplus.reshape(-1, c)))
-        S = self.max_seqs
-        seq_len = state.seq_len.at[batch.slots].set(batch.lengths).at[S].set(0)
-        prompt_len = state.prompt_len.at[batch.slots].set(batch.lengths).at[S].set(0)
+        if batch.start is not None:
+            going = jnp.where(final | (total == 0), S + 1, batch.slots)  # S + 1: dropped
+            L, H = self.num_layers, self.num_kv_heads
+            as_high = lambda x: jnp.stack(  # noqa: E731
+                [jnp.broadcast_to(x[:, None, None], (x.shape[0], L, H)),
+                 jnp.zeros((x.shape[0], L, H), jnp.int32)], -1)
+            state = state.replace(
+                n_tok=state.n_tok.at[going].set(as_high(held), mode="drop"),
+                n_pages=state.n_pages.at[going].set(as_high(per_row), mode="drop"))
+        seq_len = state.seq_len.at[batch.slots].set(held).at[S].set(0)
+        prompt_len = state.prompt_len.at[batch.slots].set(jnp.where(final, total, 0)).at[S].set(0)
         return state.replace(seq_len=seq_len, prompt_len=prompt_len)
 
     # ---- decode -----------------------------------------------------------------------

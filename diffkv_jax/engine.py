@@ -53,7 +53,8 @@ import numpy as np
 
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams,
-                                   decode_width, next_pow2, page_width)
+                                   decode_width, next_pow2, page_width,
+                                   prompt_page_width)
 from diffkv_jax.steps import pool_counts
 
 
@@ -296,8 +297,8 @@ class Engine(Generator):
         admitting (fewer preemptions, a smaller batch); 0 admits while pages last.
       prefill_chunk: prefill long prompts this many tokens per step, between
         decode steps, so running requests keep generating while a long prompt
-        arrives (methods with ``supports_chunked_prefill``: the uncompressed and
-        FP8 caches). None: whole prompts.
+        arrives (methods with ``supports_chunked_prefill``: the uncompressed, FP8
+        and DiffKV caches and the token-eviction baselines). None: whole prompts.
       detokenizer: turns token ids into text, for stop strings, :attr:`Request.text`
         and :meth:`stream_text`: either a callable ``list[int] -> str`` or an object
         with a ``decode(ids)`` method, such as the project's
@@ -637,7 +638,7 @@ class Engine(Generator):
             toks[i, :n] = ctx[start:start + n]
             lens[i], starts[i], totals[i], slots[i] = n, start, len(ctx), r.slot
         if chunked:
-            width = page_width(self.method, int(totals.max()))
+            width = prompt_page_width(self.method, int(totals.max()))
             pbatch = PrefillBatch(jnp.asarray(toks), jnp.asarray(lens), jnp.asarray(slots),
                                   jnp.asarray(starts), jnp.asarray(totals), width)
         else:

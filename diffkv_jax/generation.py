@@ -94,6 +94,15 @@ def page_width(method, tokens: int) -> int:
     return min(next_pow2(tokens // method.page_size + 1), method.row_len)
 
 
+def prompt_page_width(method, tokens: int) -> int:
+    """Page-table columns a chunked prefill passes for prompts of up to ``tokens``: what
+    a first chunk allocates for its whole prompt (the method's ``prompt_pages``, else
+    one page more than the tokens fill), in power-of-two buckets."""
+    pages = getattr(method, "prompt_pages", None)
+    need = pages(tokens) if pages else tokens // method.page_size + 1
+    return min(next_pow2(need), method.row_len)
+
+
 def decode_width(method, tokens: int) -> int:
     """Page-table columns a decode step passes its attention (a shape bucket).
 

@@ -8,6 +8,8 @@ the query heads of its GQA group (as in :func:`diffkv_jax.attention.causal_atten
   (the observation window); costs ``W x T`` logits per head.
 * :func:`all_query_scores`: every query counts, exactly, computed over blocks
   of queries so only ``block x T`` probabilities exist at a time.
+* :func:`chunk_scores`: one prompt chunk's share of either (chunked prefill),
+  from the chunk's attention probabilities over the prefix and itself.
 """
 
 from __future__ import annotations
@@ -68,3 +70,22 @@ def prompt_scores(q, k, lengths, obs_window: int | None):
     if obs_window is None:
         return all_query_scores(q, k, lengths)
     return window_scores(q, k, lengths, obs_window)
+
+
+def chunk_scores(probs, q_start, lengths, counted_from):
+    """What one prompt chunk's queries add to every key's score: ``[B, H, S]`` float32.
+
+    Args:
+      probs: ``[B, H, G, T, S]`` the chunk's attention probabilities
+        (:func:`diffkv_jax.attention.prefix_causal_probs`).
+      q_start, lengths: ``[B]`` the chunk's first position and its tokens.
+      counted_from: ``[B]`` first counted query position (``prompt_len - W`` for an
+        observation window of ``W``, 0 when every query counts).
+
+    Summed over a prompt's chunks this equals :func:`window_scores` /
+    :func:`all_query_scores` of the whole prompt.
+    """
+    T = probs.shape[3]
+    pos = q_start[:, None] + jnp.arange(T)[None]
+    counted = (jnp.arange(T)[None] < lengths[:, None]) & (pos >= counted_from[:, None])
+    return jnp.einsum("bhts,bt->bhs", probs.max(axis=2), counted.astype(jnp.float32))

@@ -35,9 +35,10 @@ def test_chat_demo_answers_paris(tmp_path):
     assert "decode:" in proc.stderr and "kv cache (full" in proc.stderr
 
 
-def test_chunked_prefill_gives_the_same_answer(tmp_path):
+@pytest.mark.parametrize("kv", ["full", "diffkv"])
+def test_chunked_prefill_gives_the_same_answer(tmp_path, kv):
     # The chat prompt (~40 tokens) prefilled 8 tokens per step.
-    proc = run(["--chat", "--prompt", "What is the capital of France?", "--kv", "full",
+    proc = run(["--chat", "--prompt", "What is the capital of France?", "--kv", kv,
                 "--prefill-chunk", "8"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "The capital of France is Paris."
@@ -69,7 +70,7 @@ def test_short_generation_gets_a_large_enough_pool(tmp_path):
     (["--prompt", "hi", "--kv", "bogus"], "unknown --kv"),
     (["--prompt", "hi", "--alpha-high", "0.01", "--alpha-low", "0.5"], "alpha_high > alpha_low"),
     (["--prompt", "hi", "--high-bits", "K3V4"], "bits"),
-    (["--prompt", "hi", "--prefill-chunk", "16"], "whole prompts"),
+    (["--prompt", "hi", "--kv", "kivi4", "--prefill-chunk", "16"], "whole prompts"),
     (["--prompt", "hi", "--kv", "full", "--prefill-chunk", "0"], "prefill_chunk"),
 ])
 def test_bad_input_fails_cleanly(tmp_path, args, needle):

@@ -126,14 +126,18 @@ def test_bad_requests_are_refused_and_serving_continues(tiny_model):
     assert eng.requests[ok].status == "finished" and len(eng.requests[ok].output) == 4
 
 
-def test_stress_diffkv_requests_never_preempted_match_alone(tiny_model):
+@pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prompts", "chunks-of-8"])
+def test_stress_diffkv_requests_never_preempted_match_alone(tiny_model, chunk):
     """The stress workload on the compressed cache: a request that was never
     preempted produces what it produces alone with the same cache method (its
-    compression decisions depend on its own tokens only)."""
+    compression decisions depend on its own tokens only); with chunked prefill,
+    alone with the same chunks (cancellations and preemptions also hit prompts
+    mid-chunk)."""
     cfg, params = tiny_model
     rng = np.random.default_rng(4)
     prompts, sampling = workload(cfg, 300, rng, max_prompt=40, max_new=16)
-    kw = dict(kind="diffkv", max_context=64, window=4, alpha_high=1.0, alpha_low=0.5)
+    kw = dict(kind="diffkv", max_context=64, window=4, alpha_high=1.0, alpha_low=0.5,
+              prefill_chunk=chunk)
     probe = make_engine(cfg, params, **kw)
     small = probe.method.pages_for_tokens(56) * 2 + worst_step_pages(probe.method, 4)
     eng = make_engine(cfg, params, pages=small, **kw)
@@ -143,7 +147,9 @@ def test_stress_diffkv_requests_never_preempted_match_alone(tiny_model):
     check = [r for r in reqs if r.status == "finished" and not r.preemptions][:40]
     ref = alone(cfg, params, [r.prompt for r in check], [r.sampling for r in check], **kw)
     assert [r.output for r in check] == ref
-    assert eng.num_compiled <= 24
+    assert eng.num_compiled <= (24 if chunk is None else 32)
+    if chunk:
+        assert any(name == "prefill" and key[2] > 0 for name, key in eng._executables)
 
 
 def test_exposed_host_time_counts_only_steps_that_found_results_ready(tiny_model):
