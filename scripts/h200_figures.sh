@@ -9,6 +9,8 @@
 #   bash scripts/h200_figures.sh attention    # the decode-attention grid
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
+#   bash scripts/h200_figures.sh scoring      # prompt scoring (jnp, kernel) vs prefill attention
+#   bash scripts/h200_figures.sh allocation   # a decode step's page allocation
 #
 # Results go to $OUT (default results/h200). Compiled executables are cached in
 # $JAX_COMPILATION_CACHE_DIR (default /tmp/diffkv-jax-xla), so a stage run again
@@ -43,7 +45,12 @@ case "${1:-}" in
     python scripts/bench_ragged_attention.py --json "$OUT/bench_ragged_attention.json" ;;
   parts)
     python scripts/bench_launch_parts.py --json "$OUT/bench_launch_parts.json" ;;
+  scoring)
+    python scripts/step_breakdown.py --model llama3-8b --methods none --prompt 4096 \
+      --json "$OUT/prompt_scoring.json" ;;
+  allocation)
+    python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|attention|ragged|parts" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|attention|ragged|parts|scoring|allocation" >&2
     exit 2 ;;
 esac

@@ -24,6 +24,7 @@ where the backend has it) and checks the cuDNN output against the reference.
 
     python scripts/step_breakdown.py --model llama3-8b --methods full,diffkv \\
         --batch 64 --context 4096
+    python scripts/step_breakdown.py --methods none     # prompt scoring only
 """
 
 import argparse
@@ -233,6 +234,16 @@ def prompt_scoring_cost(cfg, args):
         out["attention_cudnn_error"] = f"{type(e).__name__}: {e}"[:300]
     out["window_scores_ms"] = bench(lambda q, k, v: ps.window_scores(q, k, lengths,
                                                                      args.obs_window))
+    try:  # the two-launch Pallas kernel (pallas_kernels/window_scores.py)
+        from pallas_kernels.window_scores import window_scores as window_kernel
+
+        kernel = lambda q, k, v: window_kernel(q, k, lengths, args.obs_window)  # noqa: E731
+        out["window_scores_kernel_ms"] = bench(kernel)
+        want = jax.jit(lambda q, k, v: ps.window_scores(q, k, lengths, args.obs_window))(q, k, v)
+        got = jax.jit(kernel)(q, k, v)
+        out["window_kernel_max_rel_err"] = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        out["window_scores_kernel_error"] = f"{type(e).__name__}: {e}"[:300]
     out["all_query_scores_ms"] = bench(lambda q, k, v: ps.all_query_scores(q, k, lengths))
     return out
 
@@ -270,7 +281,8 @@ def main() -> int:
     params = random_params(cfg, args.seed, jnp.bfloat16)
     print(f"device {jax.devices()[0].device_kind}; model {cfg.name}; batch {args.batch} x "
           f"{args.context} tokens", flush=True)
-    rows = [breakdown(m, cfg, params, args) for m in args.methods.split(",")]
+    # (--methods none: the prompt-scoring timings only)
+    rows = [breakdown(m, cfg, params, args) for m in args.methods.split(",") if m != "none"]
     scoring = prompt_scoring_cost(cfg, args) if args.prompt else None
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

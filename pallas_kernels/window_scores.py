@@ -1,0 +1,138 @@
+"""Observation-window prompt scores without the window's probabilities in memory.
+
+A prompt token's prefill score (DiffKV, SnapKV) is the sum, over the last ``W``
+prompt queries, of the attention probability it receives, each taken as the
+maximum over the query heads of its KV head's group
+(:func:`diffkv_jax.prompt_scoring.window_scores`, the reference). XLA
+materializes the ``W x T`` logits and probabilities of every query head; here
+only a ``W x block`` tile per head exists at a time, in registers:
+
+1. ``_normalizer_kernel``, grid ``(B, nq)``: one query head's window queries walk
+   the prompt's keys a block at a time with an online max and sum, giving each
+   query's log-normalizer.
+2. ``_score_kernel``, grid ``(B, H, T / block)``: one key block's probabilities
+   under every head of the group (one dot each), their maximum over the heads,
+   summed over the counted queries.
+
+Each launch reads the keys once, so the cost is about two reads of the prompt's
+keys per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend
+
+_NEG = -1e30
+
+
+def _row_positions(row_ref, W: int, block: int, first):
+    """(prompt length, query positions ``[W]``, key positions ``[block]`` from ``first``)."""
+    length, q0 = row_ref[0], row_ref[1]
+    q_pos = q0 + lax.broadcasted_iota(jnp.int32, (W,), 0)
+    k_pos = first + lax.broadcasted_iota(jnp.int32, (block,), 0)
+    return length, q_pos, k_pos
+
+
+def _logits(q, keys, q_pos, k_pos, length, scale):
+    s = backend.dot(q, keys, trans_b=True) * scale  # [W, block], float32
+    seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < length)
+    return jnp.where(seen, s, _NEG), seen
+
+
+def _normalizer_kernel(row_ref, q_ref, k_ref, out_ref, *, W: int, block: int, scale: float):
+    q = q_ref[...]  # [W, D] one query head's window queries
+
+    def body(i, carry):
+        m, l = carry
+        length, q_pos, k_pos = _row_positions(row_ref, W, block, i * block)
+        s, _ = _logits(q, k_ref[pl.ds(i * block, block), :], q_pos, k_pos, length, scale)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        l = l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=1)
+        return m_new, l
+
+    steps = (row_ref[0] + block - 1) // block
+    m, l = lax.fori_loop(0, steps, body, (jnp.full((W,), _NEG, jnp.float32),
+                                          jnp.zeros((W,), jnp.float32)))
+    out_ref[...] = m + jnp.log(jnp.maximum(l, 1e-30))
+
+
+def _score_kernel(row_ref, counted_ref, q_ref, lse_ref, k_ref, out_ref, *, group: int, W: int,
+                  block: int, scale: float):
+    h, j = pl.program_id(1), pl.program_id(2)
+    length, q_pos, k_pos = _row_positions(row_ref, W, block, j * block)
+    keys = k_ref[...]  # [block, D]
+    best = jnp.zeros((W, block), jnp.float32)
+    for g in range(group):
+        head = h * group + g
+        s, seen = _logits(q_ref[head], keys, q_pos, k_pos, length, scale)
+        p = jnp.where(seen, jnp.exp(s - lse_ref[head][:, None]), 0.0)
+        best = jnp.maximum(best, p)
+    out_ref[...] = jnp.sum(best * counted_ref[...][:, None], axis=0)
+
+
+def window_scores(q, k, lengths, window: int, *, block: int = 128,
+                  interpret: bool | None = None):
+    """:func:`diffkv_jax.prompt_scoring.window_scores` in two Pallas launches.
+
+    Args:
+      q: ``[B, T, nq, D]`` prompt queries; k: ``[B, T, H, D]`` keys (any float dtype:
+        16-bit on the GPU, where the dots accumulate in float32).
+      lengths: ``[B]`` prompt lengths; window: counted queries (the last ``window``).
+      block: keys per program (a power of two).
+    Returns:
+      ``[B, H, T]`` float32.
+    """
+    if interpret is None:
+        interpret = backend.default_interpret()
+    B, T, nq, D = q.shape
+    H = k.shape[2]
+    G = nq // H
+    W = min(window, T)
+    # Window rows padded to a power of two of at least 16 (the smallest dot tile);
+    # rows past the window sit past the prompt's end and are not counted.
+    Wp = max(16, pl.next_power_of_2(W))
+    bt = min(block, max(16, pl.next_power_of_2(T)))
+    nT = -(-T // bt)
+    lengths = lengths.astype(jnp.int32)
+    q0 = lengths - W
+    pos = q0[:, None] + jnp.arange(Wp, dtype=jnp.int32)[None]
+    counted = ((pos >= 0) & (pos < lengths[:, None])).astype(jnp.float32)
+    qw = jnp.take_along_axis(q, jnp.clip(pos, 0, T - 1)[:, :, None, None], axis=1)
+    qw = qw.transpose(0, 2, 1, 3)  # [B, nq, Wp, D]
+    kp = jnp.pad(k, ((0, 0), (0, nT * bt - T), (0, 0), (0, 0)))
+    rows = jnp.stack([lengths, q0], axis=1)  # [B, 2]
+    scale = 1.0 / math.sqrt(D)
+    params = None if interpret else backend.compiler_params(4, 2)
+
+    lse = pl.pallas_call(
+        functools.partial(_normalizer_kernel, W=Wp, block=bt, scale=scale),
+        grid=(B, nq),
+        in_specs=[pl.BlockSpec((None, 2), lambda b, i: (b, 0)),
+                  pl.BlockSpec((None, None, Wp, D), lambda b, i: (b, i, 0, 0)),
+                  pl.BlockSpec((None, nT * bt, None, D), lambda b, i: (b, 0, i // G, 0))],
+        out_specs=pl.BlockSpec((None, None, Wp), lambda b, i: (b, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, nq, Wp), jnp.float32),
+        interpret=interpret, compiler_params=params, name="window_normalizers",
+    )(rows, qw, kp)
+
+    scores = pl.pallas_call(
+        functools.partial(_score_kernel, group=G, W=Wp, block=bt, scale=scale),
+        grid=(B, H, nT),
+        in_specs=[pl.BlockSpec((None, 2), lambda b, h, j: (b, 0)),
+                  pl.BlockSpec((None, Wp), lambda b, h, j: (b, 0)),
+                  pl.BlockSpec((None, nq, Wp, D), lambda b, h, j: (b, 0, 0, 0)),
+                  pl.BlockSpec((None, nq, Wp), lambda b, h, j: (b, 0, 0)),
+                  pl.BlockSpec((None, bt, None, D), lambda b, h, j: (b, j, h, 0))],
+        out_specs=pl.BlockSpec((None, None, bt), lambda b, h, j: (b, h, j)),
+        out_shape=jax.ShapeDtypeStruct((B, H, nT * bt), jnp.float32),
+        interpret=interpret, compiler_params=params, name="window_scores",
+    )(rows, counted, qw, lse, kp)
+    return scores[:, :, :T]
