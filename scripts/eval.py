@@ -5,7 +5,8 @@
         --limit 20 --out results/eval
 
 Methods are names from ``diffkv_jax.methods.METHODS`` with optional options:
-``diffkv:alpha_high=1.5,alpha_low=0.05`` (values parsed as int / float /
+``diffkv:alpha_high=1.5,alpha_low=0.05`` (a plain ``diffkv`` takes the model's
+calibrated preset, as ``generate.py --kv diffkv`` does; values parsed as int / float /
 true / false / none, else kept as text, e.g. ``high=K8V4``; ``page_size=`` and
 ``dtype=`` go to ``make_method`` too). The method label written to the results
 is the spec as given, so ``full`` must appear as plain ``full`` to be the
@@ -86,8 +87,9 @@ class EvalError(Exception):
 class MethodRun:
     """A method to evaluate: its registry ``name``, ``options`` and result ``label``.
 
-    ``calibrated``: options eval.py computed itself (fp8 scales); they go to
-    ``make_method`` under the given ones but stay out of the label.
+    ``calibrated``: options eval.py computed or looked up itself (fp8 scales, the
+    DiffKV preset); they go to ``make_method`` under the given ones but stay out
+    of the label.
     """
 
     name: str
@@ -560,6 +562,13 @@ def _check_config(out: str, config: dict) -> None:
             if old.get(k) != config[k]:
                 raise EvalError(f"{out} holds results for {k} {old.get(k)!r}, not "
                                 f"{config[k]!r}; use another --out")
+        preset = config.get("diffkv_preset")
+        if preset is not None and old.get("diffkv_preset", preset) != preset:
+            raise EvalError(f"{out} holds diffkv results from the preset "
+                            f"{old['diffkv_preset']}, not {preset}; use another --out")
+        if preset is not None and "diffkv_preset" not in old:
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump({**old, "diffkv_preset": preset}, fh, indent=2)
         return
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2)
@@ -620,6 +629,7 @@ def _main(args, model) -> int:
     dtype = jax.tree_util.tree_leaves(params)[0].dtype
     config["dtype"] = jnp.dtype(dtype).name
     runs = with_fp8_scales(runs, cfg, params, dtype, tok, config)
+    runs = with_diffkv_preset(runs, cfg.name, config)
     _check_config(args.out, config)
     if args.max_context > cfg.max_position_embeddings:
         raise EvalError(f"--max-context {args.max_context} is over {cfg.name}'s context "
@@ -705,6 +715,33 @@ def with_fp8_scales(runs: list[MethodRun], cfg, params, dtype, tokenizer,
     scales = (("k_scale", k_scale), ("v_scale", v_scale))
     return [dataclasses.replace(r, calibrated=scales) if i in todo else r
             for i, r in enumerate(runs)]
+
+
+#: Options that choose DiffKV's thresholds; a ``diffkv`` run given none uses the preset.
+DIFFKV_THRESHOLD_OPTIONS = ("alpha_high", "alpha_low", "high_frac", "low_frac")
+
+
+def with_diffkv_preset(runs: list[MethodRun], model: str, config: dict) -> list[MethodRun]:
+    """``runs`` with the model's calibrated preset (:mod:`diffkv_jax.presets`, as
+    ``generate.py --kv diffkv`` uses it) for every ``diffkv`` run that sets no
+    thresholds; the preset goes into ``config["diffkv_preset"]``."""
+    from diffkv_jax import presets
+
+    todo = [i for i, r in enumerate(runs) if r.name == "diffkv"
+            and not {k for k, _ in r.options} & set(DIFFKV_THRESHOLD_OPTIONS)]
+    found = presets.load_preset(model) if todo else None
+    if found is None:
+        return runs
+    options, path = found
+    config["diffkv_preset"] = {"path": str(path), "options": options}
+    print(f"diffkv: thresholds from the calibrated preset {path}: "
+          + ", ".join(f"{k}={v}" for k, v in options.items()), file=sys.stderr)
+    out = []
+    for i, r in enumerate(runs):
+        given = {k for k, _ in r.options}
+        extra = tuple((k, v) for k, v in options.items() if k not in given)
+        out.append(dataclasses.replace(r, calibrated=r.calibrated + extra) if i in todo else r)
+    return out
 
 
 def _engine(run: MethodRun, cfg, params, dtype, args, tokenizer):

@@ -43,6 +43,37 @@ def test_parse_methods_with_options():
         ev.parse_methods("full,full")
 
 
+def test_plain_diffkv_takes_the_models_calibrated_preset(tiny_model, tmp_path, monkeypatch):
+    from diffkv_jax import presets
+
+    monkeypatch.setenv("DIFFKV_JAX_PRESETS", str(tmp_path))
+    cfg, _ = tiny_model
+    runs = ev.parse_methods("full,diffkv,diffkv:alpha_high=2,diffkv:window=8")
+    config = {}
+    assert ev.with_diffkv_preset(runs, cfg.name, config) == runs and not config  # no preset
+    presets.save_preset(cfg.name, {"alpha_high": 1.5, "alpha_low": 0.1, "obs_window": None},
+                        {"test": True})
+    got = ev.with_diffkv_preset(runs, cfg.name, config)
+    assert [r.label for r in got] == [r.label for r in runs]  # labels unchanged
+    assert got[0].calibrated == () and got[2].calibrated == ()  # thresholds given: no preset
+    assert dict(got[1].calibrated) == {"alpha_high": 1.5, "alpha_low": 0.1, "obs_window": None}
+    assert dict(got[3].calibrated)["alpha_low"] == 0.1  # other options keep the preset
+    assert config["diffkv_preset"]["options"]["alpha_high"] == 1.5
+    m = ev.build_method(got[1], cfg, max_seqs=2, max_context=64, dtype="float32")
+    assert (m.policy.alpha_high, m.policy.alpha_low, m.policy.obs_window) == (1.5, 0.1, None)
+    m = ev.build_method(got[3], cfg, max_seqs=2, max_context=64, dtype="float32")
+    assert m.policy.window == 8 and m.policy.alpha_high == 1.5
+    # A results folder keeps to one preset.
+    out = tmp_path / "eval"
+    out.mkdir()
+    ev._check_config(str(out), {"model": "tiny", "dtype": "float32"})
+    ev._check_config(str(out), {"model": "tiny", "dtype": "float32", **config})
+    other = {"model": "tiny", "dtype": "float32",
+             "diffkv_preset": {"path": "x", "options": {"alpha_high": 3.0}}}
+    with pytest.raises(ev.EvalError, match="preset"):
+        ev._check_config(str(out), other)
+
+
 def test_uniform_presets_keep_every_token_at_one_precision(tiny_model):
     cfg, params = tiny_model
     for name, tier in (("int8", Tier(8, 8)), ("k8v4", Tier(8, 4))):
