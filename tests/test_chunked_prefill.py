@@ -219,8 +219,30 @@ def test_diffkv_chunks_compress_the_whole_prompt_as_one_prefill(tiny_model, name
     Logits differ by that quantization too: within 0.35 (logit scale ~3),
     correlation > 0.99.
     """
-    cfg, params = tiny_model
-    method = make_method(name, cfg, max_seqs=3, max_context=128, page_size=8, **opts)
+    _check_chunks_against_whole(*tiny_model, name, opts)
+
+
+@pytest.mark.gpu
+def test_diffkv_chunks_then_kernel_decode_on_gpu():
+    """The same comparison compiled on the GPU, with the decode after it on the Pallas
+    kernels (head dim 64, which the kernel's K4V2 slices need)."""
+    import dataclasses
+
+    import jax
+
+    from models.llama import init_params
+    from tests.conftest import TINY
+
+    cfg = dataclasses.replace(TINY, head_dim=64)
+    params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    _check_chunks_against_whole(cfg, params, "diffkv",
+                                {"high_frac": 0.5, "low_frac": 0.3, "window": 4},
+                                attention_impl="pallas")
+
+
+def _check_chunks_against_whole(cfg, params, name, opts, **method_kw):
+    method = make_method(name, cfg, max_seqs=3, max_context=128, page_size=8, **opts,
+                         **method_kw)
     assert method.supports_chunked_prefill
     steps = CompiledSteps(cfg, method, jnp.float32)
     rng = np.random.default_rng(1)
