@@ -347,7 +347,7 @@ class DiffKVCache(SlotAccounting):
     #: (:meth:`_prefill_chunk`).
     supports_chunked_prefill = True
 
-    def prompt_pages(self, T) -> int:
+    def prompt_pages(self, T):
         """Pages of the conservative set a ``T``-token prompt gets in each (layer, head):
         every token high, plus a page of headroom per tier. ``T`` int or int32 array."""
         n = T // self.cap(HI) + (2 if self.policy.low_tier else 1)
@@ -377,17 +377,22 @@ class DiffKVCache(SlotAccounting):
         S, L, H = self.max_seqs, self.num_layers, self.num_kv_heads
         W = min(batch.num_page_slots, self.row_len)
         per_row = jnp.where(batch.total > 0, self.prompt_pages(batch.total), 0)
+        # A width below a prompt's set (``generation.prompt_page_width`` sizes it) would
+        # fold its tokens onto its last page: such rows get nothing and fail loudly.
+        fits = per_row <= W
         first = batch.start == 0
-        counts = jnp.broadcast_to(jnp.where(first, per_row, 0)[:, None, None], (B, L, H))
+        counts = jnp.broadcast_to(jnp.where(first & fits, per_row, 0)[:, None, None],
+                                  (B, L, H))
         free, ids, ok = fl.allocate(state.free, counts.reshape(-1), W)
         ids = ids.reshape(B, L, H, W)
-        dest = jnp.where(first & ok, batch.slots, S + 1)  # S + 1: dropped
+        dest = jnp.where(first & fits & ok, batch.slots, S + 1)  # S + 1: dropped
         table = state.page_table.at[dest, :, :, :W].set(
             jnp.where(ids >= 0, ids, self.trash_page(state)), mode="drop")
-        held = jnp.arange(W) < per_row[:, None, None, None]
+        held = (jnp.arange(W) < per_row[:, None, None, None]) & fits[:, None, None, None]
         held = held & ~(first & ~ok)[:, None, None, None]
         set_ids = jnp.where(held, table[batch.slots, :, :, :W], -1)
-        state = state.replace(page_table=table, free=free, alloc_failed=state.alloc_failed | ~ok)
+        state = state.replace(page_table=table, free=free,
+                              alloc_failed=state.alloc_failed | ~ok | ~fits.all())
         return state, (batch, set_ids, per_row)
 
     def prefill_attention(self, state: DiffKVState, layer, q, k, v, ctx):

@@ -311,6 +311,13 @@ def test_diffkv_prompt_mid_chunks_is_held_high_and_released_whole(tiny_model):
     assert int(method.growth_bound(state, 4)[3]) == 0
     mask = jnp.zeros(method.max_seqs + 1, bool).at[0].set(True)
     assert int(method.release(state, mask).free.num_free) == pages
+    assert not bool(state.alloc_failed)
+    # A page width below the prompt's set is refused loudly, not folded onto a page.
+    narrow = PrefillBatch(jnp.asarray(prompt[None, :16]), jnp.asarray([16], jnp.int32),
+                          jnp.asarray([1], jnp.int32), jnp.asarray([0], jnp.int32),
+                          jnp.asarray([50], jnp.int32), per_row - 1)
+    bad, _ = steps.prefill(params, method.init_state(pages), narrow)
+    assert bool(bad.alloc_failed) and int(bad.free.num_free) == pages
 
 
 def test_diffkv_engine_chunks_long_prompts_between_decode_steps(tiny_model):
