@@ -388,9 +388,9 @@ class DiffKVCache(SlotAccounting):
         dest = jnp.where(first & fits & ok, batch.slots, S + 1)  # S + 1: dropped
         table = state.page_table.at[dest, :, :, :W].set(
             jnp.where(ids >= 0, ids, self.trash_page(state)), mode="drop")
-        held = (jnp.arange(W) < per_row[:, None, None, None]) & fits[:, None, None, None]
-        held = held & ~(first & ~ok)[:, None, None, None]
-        set_ids = jnp.where(held, table[batch.slots, :, :, :W], -1)
+        in_set = (jnp.arange(W) < per_row[:, None, None, None]) & fits[:, None, None, None]
+        in_set = in_set & ~(first & ~ok)[:, None, None, None]
+        set_ids = jnp.where(in_set, table[batch.slots, :, :, :W], -1)
         state = state.replace(page_table=table, free=free,
                               alloc_failed=state.alloc_failed | ~ok | ~fits.all())
         return state, (batch, set_ids, per_row)

@@ -11,7 +11,7 @@ from diffkv_jax import attention as attn
 from diffkv_jax import prompt_scoring as ps
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.engine import Engine
-from diffkv_jax.generation import SamplingParams, page_width, prompt_page_width
+from diffkv_jax.generation import SamplingParams, prompt_page_width
 from diffkv_jax.methods import make_method
 from diffkv_jax.paged_cache import FullCache
 from diffkv_jax.steps import CompiledSteps
@@ -49,6 +49,42 @@ def _methods(cfg):
     return [full, fp8]
 
 
+def _whole_prefill(method, steps, params, state, prompts):
+    """Prefill ``prompts`` (row i in slot i) whole, in one step; returns the state and
+    the rows' logits."""
+    toks = np.zeros((len(prompts), 64), np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, :len(p)] = p
+    return steps.prefill(params, state, PrefillBatch(
+        jnp.asarray(toks), jnp.asarray([len(p) for p in prompts], jnp.int32),
+        jnp.arange(len(prompts), dtype=jnp.int32)))
+
+
+def _chunked_prefill(method, steps, params, state, prompts, chunk=16, until=None):
+    """Prefill ``prompts`` (row i in slot i) in chunks; returns the state and each
+    row's logits at its last chunk. ``until``: stop after the chunk starting there."""
+    logits = {}
+    for start in range(0, max(map(len, prompts)), chunk):
+        rows = [i for i, p in enumerate(prompts) if len(p) > start]
+        ct = np.zeros((len(prompts), chunk), np.int32)
+        cl, st, tot = (np.zeros(len(prompts), np.int32) for _ in range(3))
+        slots = np.full(len(prompts), method.max_seqs, np.int32)
+        for j, i in enumerate(rows):
+            piece = prompts[i][start:start + chunk]
+            ct[j, :len(piece)], cl[j], st[j], tot[j], slots[j] = piece, len(piece), start, \
+                len(prompts[i]), i
+        width = prompt_page_width(method, max(map(len, prompts)))
+        state, out = steps.prefill(params, state, PrefillBatch(
+            jnp.asarray(ct), jnp.asarray(cl), jnp.asarray(slots), jnp.asarray(st),
+            jnp.asarray(tot), width))
+        for j, i in enumerate(rows):
+            if start + cl[j] == len(prompts[i]):
+                logits[i] = np.asarray(out[j])
+        if start == until:
+            break
+    return state, logits
+
+
 @pytest.mark.parametrize("which", [0, 1], ids=["full", "fp8"])
 def test_chunks_leave_the_cache_and_logits_of_a_whole_prefill(tiny_model, which):
     cfg, params = tiny_model
@@ -59,36 +95,10 @@ def test_chunks_leave_the_cache_and_logits_of_a_whole_prefill(tiny_model, which)
     prompts = [rng.integers(0, cfg.vocab_size, size=n).astype(np.int32) for n in (37, 21)]
     pages = 3 * method.pages_for_tokens(128)
 
-    # One whole-prompt prefill of both rows.
-    whole = method.init_state(pages)
-    toks = np.zeros((2, 64), np.int32)
-    for i, p in enumerate(prompts):
-        toks[i, :len(p)] = p
-    whole, logits_whole = steps.prefill(params, whole, PrefillBatch(
-        jnp.asarray(toks), jnp.asarray([37, 21], jnp.int32), jnp.asarray([0, 1], jnp.int32)))
-
-    # The same prompts in chunks of 16 (the second row ends a chunk earlier),
-    # with a fresh row admitted whole-prompt style alongside a later chunk.
-    chunked = method.init_state(pages)
-    logits = {}
-    for start in (0, 16, 32):
-        rows = [i for i, p in enumerate(prompts) if len(p) > start]
-        ct = np.zeros((2, 16), np.int32)
-        cl = np.zeros(2, np.int32)
-        st = np.zeros(2, np.int32)
-        tot = np.zeros(2, np.int32)
-        slots = np.full(2, method.max_seqs, np.int32)
-        for j, i in enumerate(rows):
-            piece = prompts[i][start:start + 16]
-            ct[j, :len(piece)], cl[j], st[j], tot[j], slots[j] = piece, len(piece), start, \
-                len(prompts[i]), i
-        width = page_width(method, 37)
-        chunked, out = steps.prefill(params, chunked, PrefillBatch(
-            jnp.asarray(ct), jnp.asarray(cl), jnp.asarray(slots), jnp.asarray(st),
-            jnp.asarray(tot), width))
-        for j, i in enumerate(rows):
-            if start + cl[j] == len(prompts[i]):
-                logits[i] = np.asarray(out[j])
+    # One whole-prompt prefill of both rows, then the same prompts in chunks of 16
+    # (the second row ends a chunk earlier).
+    whole, logits_whole = _whole_prefill(method, steps, params, method.init_state(pages), prompts)
+    chunked, logits = _chunked_prefill(method, steps, params, method.init_state(pages), prompts)
     # A quantized cache's later chunks attend to the stored (quantized) prefix, as its
     # decode steps do, where a whole prefill attends to exact values: close, not equal.
     tol = 2e-4 if which == 0 else 0.35
@@ -166,31 +176,6 @@ def test_chunk_scores_sum_to_the_whole_prompts_scores():
         assert float(np.asarray(whole).min()) >= 0 and float(np.asarray(whole).max()) > 0.5
 
 
-def _chunked_prefill(method, steps, params, state, prompts, chunk=16, until=None):
-    """Prefill ``prompts`` (row i in slot i) in chunks; returns the state and each
-    row's logits at its last chunk. ``until``: stop after the chunk starting there."""
-    logits = {}
-    for start in range(0, max(map(len, prompts)), chunk):
-        rows = [i for i, p in enumerate(prompts) if len(p) > start]
-        ct = np.zeros((len(prompts), chunk), np.int32)
-        cl, st, tot = (np.zeros(len(prompts), np.int32) for _ in range(3))
-        slots = np.full(len(prompts), method.max_seqs, np.int32)
-        for j, i in enumerate(rows):
-            piece = prompts[i][start:start + chunk]
-            ct[j, :len(piece)], cl[j], st[j], tot[j], slots[j] = piece, len(piece), start, \
-                len(prompts[i]), i
-        width = prompt_page_width(method, max(map(len, prompts)))
-        state, out = steps.prefill(params, state, PrefillBatch(
-            jnp.asarray(ct), jnp.asarray(cl), jnp.asarray(slots), jnp.asarray(st),
-            jnp.asarray(tot), width))
-        for j, i in enumerate(rows):
-            if start + cl[j] == len(prompts[i]):
-                logits[i] = np.asarray(out[j])
-        if start == until:
-            break
-    return state, logits
-
-
 def _high_positions(method, state, slot):
     """Per (layer, head): the positions of the slot's high-tier tokens."""
     out = []
@@ -248,12 +233,7 @@ def _check_chunks_against_whole(cfg, params, name, opts, **method_kw):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.vocab_size, size=n).astype(np.int32) for n in (37, 21)]
     pages = 3 * method.pages_for_tokens(128)
-    whole = method.init_state(pages)
-    toks = np.zeros((2, 64), np.int32)
-    for i, p in enumerate(prompts):
-        toks[i, :len(p)] = p
-    whole, logits_whole = steps.prefill(params, whole, PrefillBatch(
-        jnp.asarray(toks), jnp.asarray([37, 21], jnp.int32), jnp.asarray([0, 1], jnp.int32)))
+    whole, logits_whole = _whole_prefill(method, steps, params, method.init_state(pages), prompts)
     chunked, logits = _chunked_prefill(method, steps, params, method.init_state(pages), prompts)
     for i in range(2):
         a, b = logits[i], np.asarray(logits_whole[i])
