@@ -116,12 +116,13 @@ class DiffKVCache(SlotAccounting):
     # "reference": plain jnp (gathers and dequantizes pages); "pallas": the paged
     # decode kernel of pallas_kernels/paged_decode.py (interpret mode off the GPU).
     attention_impl: str = "reference"
-    # How a decode step writes its tokens: "xla" scatters (four for the codes, four
-    # for the side arrays per layer), "pallas": one launch per layer
+    # How a decode step writes its tokens: "xla" (the victim's gather and
+    # dequantization, two quantizations and the scatters: about twenty small
+    # kernels per layer), "pallas": one launch per layer that does all of it
     # (pallas_kernels/token_writes.py), or "auto": "pallas" for the two-tier
-    # layouts (the ones compiled and timed on the H200: 7% more tokens/s in the
-    # serving benchmark) where the attention runs on the kernels on a GPU, "xla"
-    # otherwise (in interpret mode the kernel would only be slower).
+    # layouts (the ones compiled and timed on the H200) where the attention runs
+    # on the kernels on a GPU, "xla" otherwise (in interpret mode the kernel would
+    # only be slower).
     write_impl: str = "auto"
 
     name = "diffkv"
@@ -152,6 +153,14 @@ class DiffKVCache(SlotAccounting):
             return (self.attention_impl == "pallas" and self.policy.low_tier
                     and backend.on_gpu())
         return self.write_impl == "pallas"
+
+    @property
+    def window_kernel(self) -> bool:
+        """Whether prefill scores its observation window with the Pallas kernel: on
+        the GPU kernel path (in interpret mode it would only be slower)."""
+        from pallas_kernels import backend
+
+        return self.attention_impl == "pallas" and backend.on_gpu()
 
     # ---- geometry ---------------------------------------------------------------
     @property
@@ -400,7 +409,8 @@ class DiffKVCache(SlotAccounting):
         if batch.start is not None:
             return self._prefill_chunk(state, layer, q, k, v, ctx)
         out = attn_ref.prefill_attention(q, k, v, batch.lengths)
-        score_sum = prompt_scoring.prompt_scores(q, k, batch.lengths, self.policy.obs_window)
+        score_sum = prompt_scoring.prompt_scores(q, k, batch.lengths, self.policy.obs_window,
+                                                 window_kernel=self.window_kernel)
         return self.prefill_write(state, layer, k, v, score_sum, batch, ids, per_row), out
 
     def _prefill_chunk(self, state: DiffKVState, layer, q, k, v, ctx):
@@ -651,52 +661,68 @@ class DiffKVCache(SlotAccounting):
         rows = state.page_table[:S, layer]  # [S, H, R]
         cap_h, cap_l = self.cap(HI), self.cap(LO)
         page_at = lambda col: jnp.take_along_axis(rows, col[..., None], axis=-1)[..., 0]  # noqa
-        # (tier, page, slot, codes, side entries) of each token written, in write order.
-        writes = []
-        # 1. demoted victim -> its low slot (re-quantized from its stored high codes).
-        #    Written first: that write depends on the victim's read, so every write to
-        #    the pool comes after the read and XLA updates the pool in place.
+        demote = None
         if self.policy.low_tier:
             v_idx = jnp.maximum(vh, 0)
-            vk, vv = self._read_tokens(state, HI, page_at(v_idx // cap_h), v_idx % cap_h)
-            demote = act & (d["low_slot"] >= 0)
             ls = jnp.maximum(d["low_slot"], 0)
-            lo_page = jnp.where(demote, page_at(self.row_len - 1 - ls // cap_l), skip)
-            writes.append((LO, lo_page, ls % cap_l,
-                           *self._encode_tokens(LO, vk, vv, score_h, pos_h)))
-        # 2. newcomer -> high slot (victim's slot or appended).
+            demote = (page_at(v_idx // cap_h), v_idx % cap_h,
+                      jnp.where(act & (d["low_slot"] >= 0),
+                                page_at(self.row_len - 1 - ls // cap_l), skip),
+                      ls % cap_l, score_h, pos_h)
         ns = d["new_slot"]
-        hi_page = jnp.where(act, page_at(ns // cap_h), skip)
-        writes.append((HI, hi_page, ns % cap_h,
-                       *self._encode_tokens(HI, k_new, v_new, p_new, cur_b)))
+        newcomer = (jnp.where(act, page_at(ns // cap_h), skip), ns % cap_h, k_new, v_new, p_new,
+                    cur_b)
         if self.fused_writes:
-            state = self._write_fused(state, writes)
+            state = self._write_fused(state, demote, newcomer)
         else:
-            for tier, page, slot, codes, _ in writes:
-                state = self._write_codes(state, tier, page, slot, *codes)
-            # The writes land in different pages (one per tier), so one scatter per
-            # side array carries them all: fewer launches per layer.
-            _, pages, slots, _, sides = zip(*writes)
-            side = [jnp.stack(parts) for parts in zip(*sides)]
-            state = self._write_side(state, jnp.stack(pages), jnp.stack(slots), side)
+            state = self._write_scatters(state, demote, newcomer)
         n_tok = state.n_tok.at[:S, layer].set(jnp.where(
             act[..., None], jnp.stack([d["n_high"], d["n_low"]], -1), state.n_tok[:S, layer]))
         return state.replace(n_tok=n_tok)
 
-    def _write_fused(self, state: DiffKVState, writes) -> DiffKVState:
-        """The writes of :meth:`apply_decision` in one kernel launch
-        (:func:`pallas_kernels.token_writes.write_tokens`)."""
-        from pallas_kernels.token_writes import TokenFormat, TokenWrite, write_tokens
+    def _write_scatters(self, state: DiffKVState, demote, newcomer) -> DiffKVState:
+        """The writes of :meth:`apply_decision` as XLA gathers and scatters: the demoted
+        victim (re-quantized from its stored high codes) into its low slot, then the
+        newcomer into its high slot. The victim is written first: that write depends
+        on the victim's read, so every write to the pool comes after the read and
+        XLA updates the pool in place."""
+        # (tier, page, slot, codes, side entries) of each token written, in write order.
+        writes = []
+        if demote is not None:
+            src_page, src_slot, page, slot, score, pos = demote
+            vk, vv = self._read_tokens(state, HI, src_page, src_slot)
+            writes.append((LO, page, slot, *self._encode_tokens(LO, vk, vv, score, pos)))
+        page, slot, k, v, score, pos = newcomer
+        writes.append((HI, page, slot, *self._encode_tokens(HI, k, v, score, pos)))
+        for tier, page, slot, codes, _ in writes:
+            state = self._write_codes(state, tier, page, slot, *codes)
+        # The writes land in different pages (one per tier), so one scatter per
+        # side array carries them all: fewer launches per layer.
+        _, pages, slots, _, sides = zip(*writes)
+        side = [jnp.stack(parts) for parts in zip(*sides)]
+        return self._write_side(state, jnp.stack(pages), jnp.stack(slots), side)
 
-        lay = self.layout
-        tws = []
-        for tier, page, slot, (kp, vp), (km, vm, score, pos) in writes:
-            fmt = TokenFormat(lay.key_width(tier), lay.value_width(tier), self.cap(tier))
-            tws.append(TokenWrite(fmt, page.astype(jnp.int32), slot.astype(jnp.int32),
-                                  kp.astype(jnp.uint8), vp.astype(jnp.uint8), km, vm,
-                                  score.astype(jnp.float32), pos.astype(jnp.int32)))
+    def _write_fused(self, state: DiffKVState, demote, newcomer) -> DiffKVState:
+        """The writes of :meth:`apply_decision` in one kernel launch that also reads,
+        re-quantizes and quantizes the tokens
+        (:func:`pallas_kernels.token_writes.write_tokens`)."""
+        from pallas_kernels.token_writes import MovedToken, NewToken, TokenFormat, write_tokens
+
+        def fmt(tier):
+            t = self._tier(tier)
+            return TokenFormat(t.k_bits, t.v_bits, self.cap(tier), self.head_dim)
+
+        i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
+        writes = []
+        if demote is not None:
+            src_page, src_slot, page, slot, score, pos = demote
+            writes.append(MovedToken(fmt(HI), fmt(LO), i32(src_page), i32(src_slot), i32(page),
+                                     i32(slot), score.astype(jnp.float32), i32(pos)))
+        page, slot, k, v, score, pos = newcomer
+        writes.append(NewToken(fmt(HI), i32(page), i32(slot), k, v, score.astype(jnp.float32),
+                               i32(pos)))
         data, k_meta, v_meta, scores, positions = write_tokens(
-            state.data, state.k_meta, state.v_meta, state.scores, state.positions, tws)
+            state.data, state.k_meta, state.v_meta, state.scores, state.positions, writes)
         return state.replace(data=data, k_meta=k_meta, v_meta=v_meta, scores=scores,
                              positions=positions)
 

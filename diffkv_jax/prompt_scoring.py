@@ -65,10 +65,19 @@ def all_query_scores(q, k, lengths, block: int = 256):
     return jax.lax.scan(one, init, jnp.arange(nb))[0]
 
 
-def prompt_scores(q, k, lengths, obs_window: int | None):
-    """:func:`window_scores` when ``obs_window`` is set, else :func:`all_query_scores`."""
+def prompt_scores(q, k, lengths, obs_window: int | None, *, window_kernel: bool = False):
+    """:func:`window_scores` when ``obs_window`` is set, else :func:`all_query_scores`.
+
+    ``window_kernel``: the window's scores by the Pallas kernel
+    (:func:`pallas_kernels.window_scores.window_scores`, same results; on the H200
+    it adds ~10% to cuDNN's prefill attention at 4K tokens where XLA's adds ~40%).
+    """
     if obs_window is None:
         return all_query_scores(q, k, lengths)
+    if window_kernel:
+        from pallas_kernels.window_scores import window_scores as kernel
+
+        return kernel(q, k, lengths, obs_window)
     return window_scores(q, k, lengths, obs_window)
 
 

@@ -38,9 +38,12 @@ static.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 SUPPORTED_BITS = (8, 4, 2)
 
@@ -188,6 +191,80 @@ def quantize_packed(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.
     packed_width(x.shape[-1], bits)  # fail before doing the work
     codes, scale, zero = quantize(x, bits)
     return pack(codes, bits), scale, zero
+
+
+def _f16_step(h: jax.Array, up: bool) -> jax.Array:
+    """The float16 next to ``h`` towards +inf (``up``) or -inf, for finite ``h``:
+    ``jnp.nextafter`` by integer arithmetic on the bits (GPU kernels lack a float16
+    nextafter). Zeros of either sign step to the smallest subnormal of the
+    direction; the one difference, ``-tiny`` up giving +0 rather than -0, is never
+    reached by the quantizer (it steps down from a minimum or up from a range)."""
+    b = lax.bitcast_convert_type(h, jnp.int16).astype(jnp.int32)
+    ordered = jnp.where(b >= 0, b, -(b & 0x7FFF))  # both zeros -> 0, monotone in h
+    ordered = ordered + (1 if up else -1)
+    b = jnp.where(ordered >= 0, ordered, (-ordered) | 0x8000)
+    return lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)
+
+
+def _round_half_even(y: jax.Array) -> jax.Array:
+    """``jnp.round`` of ``0 <= y < 2^31`` as int32, from its integer part and the
+    (exact) remainder: GPU kernels lack a rounding instruction, and the
+    ``(y + 2^23) - 2^23`` trick is folded away by XLA's simplifier."""
+    whole = y.astype(jnp.int32)  # truncation = floor for y >= 0
+    frac = y - whole.astype(jnp.float32)
+    up = (frac > 0.5) | ((frac == 0.5) & ((whole & 1) == 1))
+    return whole + up.astype(jnp.int32)
+
+
+def quantize_parts(parts, bits: int):
+    """:func:`quantize_packed` of vectors given as their four quarters, without
+    slicing or concatenating (so it runs inside Pallas GPU kernels too).
+
+    Args:
+      parts: four arrays ``[..., D/4]``, dims ``[i D/4, (i+1) D/4)`` of the vectors.
+      bits: 8, 4 or 2.
+    Returns:
+      ``(blocks, scale, zero)``: the packed bytes as ``bits / 2`` uint8 blocks
+      ``[..., D/4]`` (block ``m`` is bytes ``[m D/4, (m+1) D/4)`` of
+      :func:`pack`'s layout) and float16 ``scale, zero [...]``, equal to
+      :func:`quantize_packed`'s.
+    """
+    _check_bits(bits)
+    if len(parts) != 4:
+        raise ValueError(f"expected the 4 quarters of each vector, got {len(parts)} parts")
+    levels = (1 << bits) - 1
+    parts = [jnp.clip(p.astype(jnp.float32), -_F16_MAX, _F16_MAX) for p in parts]
+    mn = functools.reduce(jnp.minimum, [jnp.min(p, axis=-1) for p in parts])
+    mx = functools.reduce(jnp.maximum, [jnp.max(p, axis=-1) for p in parts])
+    h = mn.astype(jnp.float16)
+    zero16 = jnp.where(h.astype(jnp.float32) > mn, _f16_step(h, up=False), h)
+    zero = zero16.astype(jnp.float32)
+    rng = mx - zero
+    v = rng / levels
+    h = v.astype(jnp.float16)
+    scale16 = jnp.where(h.astype(jnp.float32) < v, _f16_step(h, up=True), h)
+    short = scale16.astype(jnp.float32) * levels <= rng  # see quantize()
+    scale16 = jnp.where(short, _f16_step(scale16, up=True), scale16)
+    scale16 = jnp.where(rng == 0, jnp.float16(_F16_TINY), scale16)
+    scale = scale16.astype(jnp.float32)
+    codes = [jnp.clip(_round_half_even((p - zero[..., None]) / scale[..., None]), 0, levels)
+             for p in parts]
+    step = bits // 2  # blocks of D/4 bytes; byte m*D/4 + t holds quarters m + i*step
+    blocks = []
+    for m in range(step):
+        word = codes[m]
+        for i in range(1, 8 // bits):
+            word = word | (codes[m + i * step] << (i * bits))
+        blocks.append(word.astype(jnp.uint8))
+    return blocks, scale16, zero16
+
+
+def unpack_parts(blocks, bits: int):
+    """Inverse of :func:`quantize_parts`' packing: the four quarters' codes (int32)
+    from the ``bits / 2`` byte blocks."""
+    step, mask = bits // 2, (1 << bits) - 1
+    return [(blocks[q % step].astype(jnp.int32) >> ((q // step) * bits)) & mask
+            for q in range(4)]
 
 
 def dequantize_packed(packed: jax.Array, scale: jax.Array, zero: jax.Array,

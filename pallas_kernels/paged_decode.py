@@ -141,6 +141,10 @@ class LaunchConfig:
     # "float32" converts codes exactly (interpret-mode checks at float32 accuracy).
     dot_dtype: str = "float16"
     emit_logits: bool = True
+    # Slots of a quantized page per loop step (0: the whole page). A half page
+    # holds half the key and value tiles in registers, so more programs fit on a
+    # multiprocessor, at more loop overhead per token.
+    sub_slots: int = 0
     # Rescale the accumulators only when a row's running max grew by more than
     # RESCALE_SLACK (a branch); False rescales on every page (no branch).
     lazy_rescale: bool = True
@@ -232,12 +236,16 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
 
     def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry, offset):
         k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
-        cap = fmt.slots
         n_tok = ntok_ref[s_i, h_i]
-        row_pages = (n_tok + cap - 1) // cap
+        row_pages = (n_tok + fmt.slots - 1) // fmt.slots
         # The item's pages of this tier: [begin, end) shifted past the earlier tiers.
         first = jnp.clip(begin - offset, 0, row_pages)
         last = jnp.clip(end - offset, 0, row_pages)
+        # Loop steps over parts of ``cap`` slots (whole pages unless cfg.sub_slots).
+        cap = fmt.slots
+        if fmt.quantized and 0 < cfg.sub_slots < fmt.slots:
+            cap = cfg.sub_slots
+        n_sub = fmt.slots // cap
         col_iota = lax.broadcasted_iota(jnp.int32, (cap,), 0)
 
         if fmt.quantized:
@@ -251,17 +259,20 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
             q_full = q_part(0, D, pdt)
 
         def body(j, carry):
-            page = pages_ref[s_i, h_i, j]
+            if n_sub == 1:
+                page, at = pages_ref[s_i, h_i, j], 0
+            else:
+                page, at = pages_ref[s_i, h_i, j // n_sub], (j % n_sub) * cap
             valid = j * cap + col_iota < n_tok
             if fmt.quantized:
-                kb = k_ref[page, pl.ds(0, cap), :]  # [cap, kw] codes
+                kb = k_ref[page, pl.ds(at, cap), :]  # [cap, kw] codes
                 k_parts = (magic_slices(kb, fmt.k_bits, interpret=interpret) if magic
                            else exact_slices(kb, fmt.k_bits, jnp.float32))
                 acc = None
                 for qs, kp in zip(q_slices, k_parts):
                     d = backend.dot(qs, kp, trans_b=True)
                     acc = d if acc is None else acc + d
-                ks, kz = _unpack_meta(km_ref[page, pl.ds(0, cap)])
+                ks, kz = _unpack_meta(km_ref[page, pl.ds(at, cap)])
                 if magic:  # q . (c + 1024) = q . c + 1024 sum(q)
                     kz = kz - MAGIC * ks
                 s = acc * ks[None, :] + q_sum[:, None] * kz[None, :]
@@ -276,7 +287,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
             if not fmt.quantized:
                 accs = [accs[0] + backend.dot(p.astype(pdt), v_ref[page].astype(pdt))]
                 return accs, m, l, r, z
-            vs, vz = _unpack_meta(vm_ref[page, pl.ds(0, cap)])
+            vs, vz = _unpack_meta(vm_ref[page, pl.ds(at, cap)])
             pv = (p * vs[None, :]).astype(qdt)
             if magic:  # (p s) . (c + 1024): remove 1024 sum(p s) with the rounded weights,
                 # summed by the tensor cores (a dot with ones) rather than lane by lane
@@ -285,7 +296,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
             # Value part i holds dims [i w, (i + 1) w): slice i*w // vw, rows (i*w) % vw.
             out = list(accs)
             for rb in range(vw // w):
-                vb = v_ref[page, pl.ds(kw + rb * w, w), :]  # [w, cap] codes
+                vb = v_ref[page, pl.ds(kw + rb * w, w), pl.ds(at, cap)]  # [w, cap] codes
                 v_parts = (magic_slices(vb, fmt.v_bits, interpret=interpret) if magic
                            else exact_slices(vb, fmt.v_bits, jnp.float32))
                 for sl, vp in enumerate(v_parts):
@@ -293,7 +304,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
                     out[i] = out[i] + backend.dot(pv, vp, trans_b=True)
             return out, m, l, r, z
 
-        return lax.fori_loop(first, last, body, carry), offset + row_pages
+        return (lax.fori_loop(first * n_sub, last * n_sub, body, carry),
+                offset + row_pages)
 
     carry = ([jnp.zeros((Gp, w), jnp.float32)] * parts, jnp.full((Gp,), NEG_INF, jnp.float32),
              jnp.zeros((Gp,), jnp.float32), jnp.zeros((Gp, RW), jnp.float32),

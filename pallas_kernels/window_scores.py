@@ -7,9 +7,12 @@ maximum over the query heads of its KV head's group
 materializes the ``W x T`` logits and probabilities of every query head; here
 only a ``W x block`` tile per head exists at a time, in registers:
 
-1. ``_normalizer_kernel``, grid ``(B, nq)``: one query head's window queries walk
-   the prompt's keys a block at a time with an online max and sum, giving each
-   query's log-normalizer.
+1. ``_partial_normalizer_kernel``, grid ``(B, H, T / block)``: one key block's
+   logits under every head of the group, reduced to a per-query maximum and sum
+   of exponentials; a log-sum-exp over the blocks (``[B, nq, W, T / block]``,
+   small) gives each query's log-normalizer. The grid is as wide as the
+   second launch's: a walk over the whole prompt per query head would leave
+   most of the GPU idle and wait on every block in turn.
 2. ``_score_kernel``, grid ``(B, H, T / block)``: one key block's probabilities
    under every head of the group (one dot each), their maximum over the heads,
    summed over the counted queries.
@@ -47,33 +50,27 @@ def _logits(q, keys, q_pos, k_pos, length, scale):
     return jnp.where(seen, s, _NEG), seen
 
 
-def _normalizer_kernel(row_ref, q_ref, k_ref, out_ref, *, W: int, block: int, scale: float):
-    q = q_ref[...]  # [W, D] one query head's window queries
-
-    def body(i, carry):
-        m, l = carry
-        length, q_pos, k_pos = _row_positions(row_ref, W, block, i * block)
-        s, _ = _logits(q, k_ref[pl.ds(i * block, block), :], q_pos, k_pos, length, scale)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        l = l * jnp.exp(m - m_new) + jnp.sum(jnp.exp(s - m_new[:, None]), axis=1)
-        return m_new, l
-
-    steps = (row_ref[0] + block - 1) // block
-    m, l = lax.fori_loop(0, steps, body, (jnp.full((W,), _NEG, jnp.float32),
-                                          jnp.zeros((W,), jnp.float32)))
-    out_ref[...] = m + jnp.log(jnp.maximum(l, 1e-30))
+def _partial_normalizer_kernel(row_ref, q_ref, k_ref, m_ref, l_ref, *, group: int,
+                                W: int, block: int, scale: float):
+    j = pl.program_id(2)
+    length, q_pos, k_pos = _row_positions(row_ref, W, block, j * block)
+    keys = k_ref[...]  # [block, D]
+    for g in range(group):
+        s, seen = _logits(q_ref[g], keys, q_pos, k_pos, length, scale)
+        m = jnp.max(s, axis=1)
+        m_ref[g, :] = m
+        l_ref[g, :] = jnp.sum(jnp.where(seen, jnp.exp(s - m[:, None]), 0.0), axis=1)
 
 
 def _score_kernel(row_ref, counted_ref, q_ref, lse_ref, k_ref, out_ref, *, group: int, W: int,
                   block: int, scale: float):
-    h, j = pl.program_id(1), pl.program_id(2)
+    j = pl.program_id(2)
     length, q_pos, k_pos = _row_positions(row_ref, W, block, j * block)
     keys = k_ref[...]  # [block, D]
     best = jnp.zeros((W, block), jnp.float32)
-    for g in range(group):
-        head = h * group + g
-        s, seen = _logits(q_ref[head], keys, q_pos, k_pos, length, scale)
-        p = jnp.where(seen, jnp.exp(s - lse_ref[head][:, None]), 0.0)
+    for g in range(group):  # q_ref, lse_ref: this KV head's group of query heads
+        s, seen = _logits(q_ref[g], keys, q_pos, k_pos, length, scale)
+        p = jnp.where(seen, jnp.exp(s - lse_ref[g][:, None]), 0.0)
         best = jnp.maximum(best, p)
     out_ref[...] = jnp.sum(best * counted_ref[...][:, None], axis=0)
 
@@ -107,29 +104,33 @@ def window_scores(q, k, lengths, window: int, *, block: int = 128,
     counted = ((pos >= 0) & (pos < lengths[:, None])).astype(jnp.float32)
     qw = jnp.take_along_axis(q, jnp.clip(pos, 0, T - 1)[:, :, None, None], axis=1)
     qw = qw.transpose(0, 2, 1, 3)  # [B, nq, Wp, D]
-    kp = jnp.pad(k, ((0, 0), (0, nT * bt - T), (0, 0), (0, 0)))
+    kp = k if nT * bt == T else jnp.pad(k, ((0, 0), (0, nT * bt - T), (0, 0), (0, 0)))
     rows = jnp.stack([lengths, q0], axis=1)  # [B, 2]
     scale = 1.0 / math.sqrt(D)
     params = None if interpret else backend.compiler_params(4, 2)
 
-    lse = pl.pallas_call(
-        functools.partial(_normalizer_kernel, W=Wp, block=bt, scale=scale),
-        grid=(B, nq),
-        in_specs=[pl.BlockSpec((None, 2), lambda b, i: (b, 0)),
-                  pl.BlockSpec((None, None, Wp, D), lambda b, i: (b, i, 0, 0)),
-                  pl.BlockSpec((None, nT * bt, None, D), lambda b, i: (b, 0, i // G, 0))],
-        out_specs=pl.BlockSpec((None, None, Wp), lambda b, i: (b, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, nq, Wp), jnp.float32),
+    part = jax.ShapeDtypeStruct((B, nT, nq, Wp), jnp.float32)
+    part_spec = pl.BlockSpec((None, None, G, Wp), lambda b, h, j: (b, j, h, 0))
+    m, l = pl.pallas_call(
+        functools.partial(_partial_normalizer_kernel, group=G, W=Wp, block=bt, scale=scale),
+        grid=(B, H, nT),
+        in_specs=[pl.BlockSpec((None, 2), lambda b, h, j: (b, 0)),
+                  pl.BlockSpec((None, G, Wp, D), lambda b, h, j: (b, h, 0, 0)),
+                  pl.BlockSpec((None, bt, None, D), lambda b, h, j: (b, j, h, 0))],
+        out_specs=[part_spec, part_spec],
+        out_shape=[part, part],
         interpret=interpret, compiler_params=params, name="window_normalizers",
     )(rows, qw, kp)
+    # A block no counted key reaches has m = -1e30 and l = 0: it adds nothing.
+    lse = jax.nn.logsumexp(m + jnp.log(jnp.maximum(l, 1e-30)), axis=1)  # [B, nq, Wp]
 
     scores = pl.pallas_call(
         functools.partial(_score_kernel, group=G, W=Wp, block=bt, scale=scale),
         grid=(B, H, nT),
         in_specs=[pl.BlockSpec((None, 2), lambda b, h, j: (b, 0)),
                   pl.BlockSpec((None, Wp), lambda b, h, j: (b, 0)),
-                  pl.BlockSpec((None, nq, Wp, D), lambda b, h, j: (b, 0, 0, 0)),
-                  pl.BlockSpec((None, nq, Wp), lambda b, h, j: (b, 0, 0)),
+                  pl.BlockSpec((None, G, Wp, D), lambda b, h, j: (b, h, 0, 0)),
+                  pl.BlockSpec((None, G, Wp), lambda b, h, j: (b, h, 0)),
                   pl.BlockSpec((None, bt, None, D), lambda b, h, j: (b, j, h, 0))],
         out_specs=pl.BlockSpec((None, None, bt), lambda b, h, j: (b, h, j)),
         out_shape=jax.ShapeDtypeStruct((B, H, nT * bt), jnp.float32),

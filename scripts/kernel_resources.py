@@ -99,6 +99,7 @@ def main() -> int:
     p.add_argument("--group", type=int, default=4, help="real query rows per KV head")
     p.add_argument("--warps", default="1,2")
     p.add_argument("--stages", default="3")
+    p.add_argument("--sub", default="0", help="LaunchConfig.sub_slots values (0: whole pages)")
     p.add_argument("--out", default="results/ttir")
     args = p.parse_args()
 
@@ -116,9 +117,9 @@ def main() -> int:
     D, G = args.head_dim, args.group
     print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
           f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
-    for spec, warps, stages in itertools.product(
-            args.tiers.split(","), (int(x) for x in args.warps.split(",")),
-            (int(x) for x in args.stages.split(","))):
+    for spec, warps, stages, sub in itertools.product(
+            args.tiers.split(","), [int(x) for x in args.warps.split(",")],
+            [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")]):
         tiers, caps = [], []
         for part in spec.split("+"):
             kb, vb, cap = (int(x) for x in part.split("-"))
@@ -131,16 +132,16 @@ def main() -> int:
                 kv, vv = pdk.page_views(jnp.zeros((8, fmt.data_bytes), jnp.uint8), fmt)
                 meta = (jnp.zeros((8, 64), jnp.uint32),) * 2
                 tiers.append(pdk.TierInput(fmt, kv, vv, meta, pages, ntok))
-            caps.append(cap)
-        cfg = pdk.LaunchConfig(num_warps=warps, num_stages=stages)
+            caps.append(min(cap, sub) if sub and kb < 16 else cap)  # tokens per loop step
+        cfg = pdk.LaunchConfig(num_warps=warps, num_stages=stages, sub_slots=sub)
         q = jnp.zeros((1, 1, 16, D), jnp.bfloat16)
         fn = jax.jit(lambda q: pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg,
                                                          interpret=False))
-        name = f"{spec.replace('+', '_')}_w{warps}_st{stages}"
+        name = f"{spec.replace('+', '_')}_w{warps}_st{stages}" + (f"_sub{sub}" if sub else "")
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
             fh.write(strip_locations(triton_ir(fn, q)))
-        line = f"{spec:24s} {warps:2d} {stages:2d}"
+        line = f"{spec + (f' /{sub}' if sub else ''):24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")
             continue

@@ -155,6 +155,10 @@ def breakdown(name, cfg, params, args):
         row[v], row[f"{v}_blocking"] = tq * 1e3, t * 1e3
         print(f"  {name} {v}: {tq * 1e3:.2f} ms queued back to back, {t * 1e3:.2f} ms "
               "blocking on each call", flush=True)
+        if v == "step" and args.hlo_dir:  # the optimized HLO, to name the profile's fusions
+            os.makedirs(args.hlo_dir, exist_ok=True)
+            with open(os.path.join(args.hlo_dir, f"{name}_step.hlo.txt"), "w") as fh:
+                fh.write(fn.as_text())
         if v == "step" and args.profile:
             from scripts.device_profile import kernel_times, print_kernel_times
 
@@ -168,7 +172,7 @@ def breakdown(name, cfg, params, args):
             state = box[0]
             print_kernel_times(f"  {name} step kernels", kt, busy, wall, top=args.top)
             print(f"  (trace lines: {kernel_times.last_lines})")
-            row["profile"] = dict(kernels=kt[:40], busy_ms=busy, wall_ms=wall,
+            row["profile"] = dict(kernels=kt, busy_ms=busy, wall_ms=wall,
                                   launches=kernel_times.launches,
                                   idle_before=kernel_times.gaps[:40])
     end = jax.jit(method.end_decode, donate_argnums=(0,))
@@ -211,6 +215,8 @@ def prompt_scoring_cost(cfg, args):
     lengths = jnp.asarray([T], jnp.int32)
 
     def bench(f):
+        """Median ms of a call, and ms per call of calls queued back to back (as a
+        prefill's layers run: no host round trip between them)."""
         f = jax.jit(f)  # inputs as arguments: closed-over arrays would be constant-folded
         jax.block_until_ready(f(q, k, v))
         ts = []
@@ -218,6 +224,11 @@ def prompt_scoring_cost(cfg, args):
             t0 = time.perf_counter()
             jax.block_until_ready(f(q, k, v))
             ts.append(time.perf_counter() - t0)
+        n = 4 * args.iters
+        t0 = time.perf_counter()
+        outs = [f(q, k, v) for _ in range(n)]
+        jax.block_until_ready(outs)
+        bench.queued = (time.perf_counter() - t0) / n * 1e3
         return sorted(ts)[len(ts) // 2] * 1e3
 
     out = dict(prompt=T)
@@ -227,6 +238,7 @@ def prompt_scoring_cost(cfg, args):
         fused = lambda q, k, v: jax.nn.dot_product_attention(  # noqa: E731
             q, k, v, is_causal=True, implementation="cudnn")
         out["attention_cudnn_ms"] = bench(fused)
+        out["attention_cudnn_queued_ms"] = bench.queued
         err = jnp.abs(jax.jit(fused)(q, k, v).astype(jnp.float32)
                       - jax.jit(reference)(q, k, v)).max()
         out["cudnn_max_abs_err"] = float(err)
@@ -234,11 +246,19 @@ def prompt_scoring_cost(cfg, args):
         out["attention_cudnn_error"] = f"{type(e).__name__}: {e}"[:300]
     out["window_scores_ms"] = bench(lambda q, k, v: ps.window_scores(q, k, lengths,
                                                                      args.obs_window))
+    out["window_scores_queued_ms"] = bench.queued
     try:  # the two-launch Pallas kernel (pallas_kernels/window_scores.py)
         from pallas_kernels.window_scores import window_scores as window_kernel
 
         kernel = lambda q, k, v: window_kernel(q, k, lengths, args.obs_window)  # noqa: E731
         out["window_scores_kernel_ms"] = bench(kernel)
+        out["window_scores_kernel_queued_ms"] = bench.queued
+        if "attention_cudnn_ms" in out:  # what scoring adds to the prefill's attention
+            both = lambda q, k, v: (fused(q, k, v), kernel(q, k, v))  # noqa: E731
+            out["attention_cudnn_with_window_kernel_ms"] = bench(both)
+            out["attention_cudnn_with_window_kernel_queued_ms"] = bench.queued
+            out["window_kernel_adds"] = (bench.queued / out["attention_cudnn_queued_ms"]
+                                         - 1.0)
         want = jax.jit(lambda q, k, v: ps.window_scores(q, k, lengths, args.obs_window))(q, k, v)
         got = jax.jit(kernel)(q, k, v)
         out["window_kernel_max_rel_err"] = float(jnp.abs(got - want).max() / jnp.abs(want).max())
@@ -269,6 +289,8 @@ def main() -> int:
     p.add_argument("--only-step", action="store_true",
                    help="time (and trace) the real step only, no ablations")
     p.add_argument("--json", default=None)
+    p.add_argument("--hlo-dir", default=None, help="write each method's optimized step HLO "
+                   "here")
     args = p.parse_args()
 
     import jax

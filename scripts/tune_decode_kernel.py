@@ -31,6 +31,8 @@ def main() -> int:
     p.add_argument("--splits", default="1")
     p.add_argument("--lazy", default="1,0", help="1 = rescale only when the max grows")
     p.add_argument("--logits", default="1", help="1 = emit the policy's logits")
+    p.add_argument("--sub", default="0", help="slots per loop step (LaunchConfig.sub_slots; "
+                   "0 = whole pages)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -68,14 +70,16 @@ def main() -> int:
         small, _ = random_case(jax.random.fold_in(key, 7), mix, 2, H, D, min(N, 1024))
         ref = case_reference(q[:2, :, :G], small)
         rout = pdk.merge_partials([r[:3] for r in ref])[0]
-        for warps, stages, splits, lazy, lg in itertools.product(
-                *(map(int, a.split(",")) for a in (args.warps, args.stages, args.splits,
-                                                   args.lazy, args.logits))):
+        for warps, stages, splits, lazy, lg, sub in itertools.product(
+                *(list(map(int, a.split(","))) for a in (args.warps, args.stages, args.splits,
+                                                         args.lazy, args.logits, args.sub))):
             cfg = pdk.LaunchConfig(num_splits=splits, num_warps=warps, num_stages=stages,
-                                   lazy_rescale=bool(lazy), emit_logits=bool(lg))
+                                   lazy_rescale=bool(lazy), emit_logits=bool(lg),
+                                   sub_slots=sub)
             fn = jax.jit(lambda q, tiers, cfg=cfg: pdk.paged_decode_partials(
                 q, tiers, group=G, cfg=cfg))
-            name = f"{mix:13s} w={warps} st={stages} sp={splits} lazy={lazy} logits={lg}"
+            name = (f"{mix:13s} w={warps} st={stages} sp={splits} lazy={lazy} logits={lg} "
+                    f"sub={sub}")
             try:
                 o, m, l, _ = fn(q[:2], small)
                 out = pdk.merge_partials([(o, m, l)])[0]
@@ -87,7 +91,7 @@ def main() -> int:
                 continue
             tb = nbytes / (ms * 1e-3) / 1e12
             rows.append(dict(mix=mix, warps=warps, stages=stages, splits=splits, lazy=lazy,
-                             logits=lg, ms=ms, tbps=tb, err=err,
+                             logits=lg, sub=sub, ms=ms, tbps=tb, err=err,
                              speedup_vs_jax=jax_ms / ms))
             print(f"{name}: {ms:7.3f} ms {tb:5.2f} TB/s ({tb / bw:4.0%} copy) "
                   f"{jax_ms / ms:5.2f}x jax  rel.err {err:.1e}", flush=True)
@@ -102,7 +106,7 @@ def main() -> int:
         if cands:
             b = min(cands, key=lambda r: r["ms"])
             print(f"  {mix:13s} {b['ms']:.3f} ms {b['tbps']:.2f} TB/s {b['speedup_vs_jax']:.2f}x "
-                  f"w={b['warps']} st={b['stages']} sp={b['splits']} lazy={b['lazy']}")
+                  f"w={b['warps']} st={b['stages']} sp={b['splits']} lazy={b['lazy']} sub={b['sub']}")
     return 0
 
 

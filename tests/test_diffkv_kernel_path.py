@@ -55,6 +55,9 @@ def test_token_writes_kernel_is_the_default_only_on_the_gpu_kernel_path(tiny_mod
     cfg, _ = tiny_model
     kernels = make_method("diffkv", cfg, max_seqs=2, max_context=128, attention_impl="pallas")
     assert kernels.write_impl == "auto" and kernels.fused_writes == backend.on_gpu()
+    # (prefill's window-scores kernel follows the same rule)
+    assert kernels.window_kernel == backend.on_gpu()
+    assert not make_method("diffkv", cfg, max_seqs=2, max_context=128).window_kernel
     assert not make_method("diffkv", cfg, max_seqs=2, max_context=128).fused_writes
     assert not make_method("int8", cfg, max_seqs=2, max_context=128,
                            attention_impl="pallas").fused_writes

@@ -34,12 +34,23 @@ def test_diffkv_decode_has_no_pool_copy(tiny_model):
     assert pool_copies(*tiny_model, "diffkv") == []
 
 
-@pytest.mark.parametrize("writes", ["xla", "pallas"])
+@pytest.mark.parametrize("writes", ["xla", pytest.param("pallas", marks=pytest.mark.gpu)])
 def test_diffkv_kernel_decode_has_no_side_array_copy(tiny_model, writes):
     # The kernel path updates scores inside a kernel (aliased) and writes the
     # pool, metadata and positions by scatter or by the token-writes kernel
-    # (aliased): none of them may be copied.
+    # (aliased): none of them may be copied. The token-writes kernel is checked
+    # compiled on the GPU: in interpret mode its reads of the pool it writes run
+    # as a loop of gathers and scatters, which XLA may copy around.
     cfg, params = tiny_model
+    if writes == "pallas":  # the GPU kernels' K4V2 slices need head dim 64
+        import dataclasses
+
+        import jax
+
+        from models.llama import init_params
+
+        cfg = dataclasses.replace(cfg, head_dim=64)
+        params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
     m = make_method("diffkv", cfg, max_seqs=4, max_context=128, attention_impl="pallas",
                     write_impl=writes)
     state = m.init_state(300)
@@ -48,7 +59,7 @@ def test_diffkv_kernel_decode_has_no_side_array_copy(tiny_model, writes):
     shapes = {f"{'u8' if a.dtype.name == 'uint8' else a.dtype.name[0] + a.dtype.name[-2:]}"
               f"[{','.join(map(str, a.shape))}]"
               for a in (state.data, state.k_meta, state.scores, state.positions)}
-    assert shapes == {"u8[301,768]", "u32[301,64]", "f32[301,64]", "i32[301,64]"}
     shapes = {s.replace("i32", "s32") for s in shapes}
+    assert len(shapes) == 4 and all(s in text for s in shapes)  # the names HLO prints
     copies = [ln for ln in text.splitlines() if " copy(" in ln and any(s in ln for s in shapes)]
     assert copies == []

@@ -48,6 +48,7 @@ def make_tier(rng, fmt: pdk.TierFormat, P: int, S: int, H: int, NP: int):
 TIER_SETS = {
     "k8v4": [(8, 4, 16)],
     "k8v4+k4v2": [(8, 4, 16), (4, 2, 32)],  # DiffKV's unified pages (same bytes per page)
+    "k8v4+k4v2 wide": [(8, 4, 32), (4, 2, 64)],  # the same at head dim 128's 6 KB pages
     "k8v8": [(8, 8, 16)],
     "k2v2": [(2, 2, 16)],
     "k4v4": [(4, 4, 32)],
@@ -56,7 +57,7 @@ TIER_SETS = {
 
 
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
-                 seed=0, work_items=None):
+                 seed=0, work_items=None, sub_slots=0):
     """``work_items``: launch over :func:`pdk.plan_work` items (rows 1 and 4 inactive)
     instead of ``splits`` even splits per row."""
     rng = np.random.default_rng(seed)
@@ -67,7 +68,8 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
         tiers.append(tier)
         refs.append((kh, vh, tier.n_tok))
     q = jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32)
-    cfg = pdk.LaunchConfig(num_splits=splits, dot_dtype=dot_dtype, lazy_rescale=lazy)
+    cfg = pdk.LaunchConfig(num_splits=splits, dot_dtype=dot_dtype, lazy_rescale=lazy,
+                           sub_slots=sub_slots)
     qk = q if pad is None else pdk.pad_group(q, pad)
     active = np.ones(S, bool)
     work = None
@@ -160,6 +162,18 @@ def test_plan_work_covers_every_page_once_in_balanced_items(seed):
     assert longest <= max(-(-int(pages.sum()) // max(N - rows, 1)), 2)
     with pytest.raises(ValueError, match="more items than rows"):
         pdk.plan_work(pdk.row_pages(tiers), S * H)
+
+
+@pytest.mark.parametrize("tier_set,sub", [("k8v4+k4v2", 16), ("k8v4+k4v2 wide", 16),
+                                          ("k8v4+k4v2 wide", 32), ("k4v4", 16)])
+@pytest.mark.parametrize("work_items", [None, 16])
+def test_pages_walked_in_parts_match_reference(tier_set, sub, work_items):
+    # LaunchConfig.sub_slots: each loop step covers part of a quantized page
+    # (whole pages when the page has no more slots than that).
+    check_kernel(tier_set, 64, 3, 2, interpret=True, dot_dtype="float32", tol=1e-4,
+                 sub_slots=sub, work_items=work_items, seed=sub)
+    check_kernel(tier_set, 64, 3, 1, interpret=True, dot_dtype="float16", tol=3e-3,
+                 sub_slots=sub, seed=sub + 1)
 
 
 def test_group_padding_does_not_change_results():

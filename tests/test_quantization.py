@@ -236,3 +236,38 @@ def test_error_decreases_with_bits():
     assert errs[0] < errs[1] < errs[2], errs
     # Roughly a uniform-error model: each halving of bits costs a lot more than 2x.
     assert errs[1] > 4 * errs[0] and errs[2] > 2 * errs[1], errs
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("kind", ["normal", "student_t1", "outlier_channels", "constant"])
+@pytest.mark.parametrize("jit", [False, True])
+def test_quantize_parts_equals_quantize_packed(bits, kind, jit):
+    """The kernels' quarter-wise quantizer gives the same bytes and metadata, eagerly
+    and under jit (where XLA's simplifier must not change its rounding)."""
+    rng = np.random.default_rng(bits)
+    D = 64
+    mags = rng.choice([1e-6, 1e-3, 1.0, 30.0, 1e4], size=(400, 1))
+    x = jnp.asarray(_sample(rng, kind, (400, D)) * mags.astype(np.float32))
+    # Values exactly between two codes (ties round to even, as jnp.round does).
+    x = x.at[0].set(jnp.arange(D, dtype=jnp.float32) * 0.5).at[1].set(-0.0)
+    parts = [x[:, i * D // 4:(i + 1) * D // 4] for i in range(4)]
+    fn = functools.partial(qz.quantize_parts, bits=bits)
+    blocks, scale, zero = (jax.jit(fn) if jit else fn)(parts)
+    want, ws, wz = _roundtrip(x, bits)[4], *qz.quantize_packed(x, bits)[1:]
+    assert len(blocks) == bits // 2
+    assert np.array_equal(np.concatenate([np.asarray(b) for b in blocks], -1), np.asarray(want))
+    assert np.array_equal(np.asarray(scale).view(np.uint16), np.asarray(ws).view(np.uint16))
+    assert np.array_equal(np.asarray(zero).view(np.uint16), np.asarray(wz).view(np.uint16))
+    codes = np.concatenate([np.asarray(c) for c in qz.unpack_parts(blocks, bits)], -1)
+    assert np.array_equal(codes, np.asarray(qz.unpack(want, bits, D), np.int32))
+
+
+@pytest.mark.parametrize("up", [True, False])
+def test_f16_step_is_nextafter(up):
+    h = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    h = h[np.isfinite(h) & (np.abs(h) < np.float16(65504))]
+    got = np.asarray(qz._f16_step(jnp.asarray(h), up)).view(np.uint16)
+    want = np.nextafter(h, np.float16(np.inf if up else -np.inf)).view(np.uint16)
+    differ = h[got != want]
+    # The documented exception: -tiny stepped up gives +0 (nextafter: -0).
+    assert (up and list(differ) == [-np.finfo(np.float16).smallest_subnormal]) or not len(differ)
