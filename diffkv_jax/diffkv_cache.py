@@ -150,8 +150,9 @@ class DiffKVCache(SlotAccounting):
         """Whether decode writes its tokens with the token-writes kernel."""
         if self.write_impl == "auto":
             from pallas_kernels import backend
+            quarter = self.head_dim // 4  # the kernel loads a head in quarters
             return (self.attention_impl == "pallas" and self.policy.low_tier
-                    and backend.on_gpu())
+                    and backend.on_gpu() and quarter & (quarter - 1) == 0)
         return self.write_impl == "pallas"
 
     @property

@@ -201,6 +201,10 @@ def write_tokens(data, k_meta, v_meta, scores, positions, writes: Sequence[Token
     """
     if interpret is None:
         interpret = backend.default_interpret()
+    q = writes[0].fmt.head_dim // 4
+    if not interpret and q & (q - 1):
+        raise ValueError(f"head_dim {4 * q}: the GPU kernel loads quarters of a head, "
+                         "which need head_dim / 4 to be a power of two")
     S, H = writes[0].page.shape
     args, in_specs, kinds = [], [], []
     row = lambda a: pl.BlockSpec((None, None, a.shape[2]), lambda s, h: (s, h, 0))  # noqa: E731

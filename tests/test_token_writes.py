@@ -113,3 +113,13 @@ def test_dropped_writes_leave_the_pool_alone():
 @pytest.mark.parametrize("D", [64, 128])
 def test_compiled_kernel_matches_the_quantization_and_scatters_on_gpu(D):
     check(D, 3, interpret=False)
+
+
+def test_gpu_kernel_refuses_head_dims_whose_quarters_are_not_powers_of_two():
+    rng = np.random.default_rng(2)
+    pools, (moved, new) = case(rng, 64)
+    fmt = TokenFormat(8, 4, 32, 80)
+    bad = NewToken(fmt, new.page, new.slot, jnp.zeros(new.keys.shape[:2] + (80,)),
+                   jnp.zeros(new.keys.shape[:2] + (80,)), new.score, new.position)
+    with pytest.raises(ValueError, match="power of two"):
+        write_tokens(*pools, [bad], interpret=False)
