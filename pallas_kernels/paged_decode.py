@@ -170,7 +170,7 @@ def unpack_meta(words: jax.Array) -> tuple[jax.Array, jax.Array]:
     return pair[..., 0], pair[..., 1]
 
 
-def _unpack_meta(word: jax.Array) -> tuple[jax.Array, jax.Array]:
+def unpack_meta_f32(word: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Inverse of :func:`pack_meta` inside a kernel: float32 (scale, zero)."""
     half = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)  # noqa: E731
     return (half(word & jnp.uint32(0xFFFF)).astype(jnp.float32),
@@ -272,7 +272,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
                 for qs, kp in zip(q_slices, k_parts):
                     d = backend.dot(qs, kp, trans_b=True)
                     acc = d if acc is None else acc + d
-                ks, kz = _unpack_meta(km_ref[page, pl.ds(at, cap)])
+                ks, kz = unpack_meta_f32(km_ref[page, pl.ds(at, cap)])
                 if magic:  # q . (c + 1024) = q . c + 1024 sum(q)
                     kz = kz - MAGIC * ks
                 s = acc * ks[None, :] + q_sum[:, None] * kz[None, :]
@@ -287,7 +287,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
             if not fmt.quantized:
                 accs = [accs[0] + backend.dot(p.astype(pdt), v_ref[page].astype(pdt))]
                 return accs, m, l, r, z
-            vs, vz = _unpack_meta(vm_ref[page, pl.ds(at, cap)])
+            vs, vz = unpack_meta_f32(vm_ref[page, pl.ds(at, cap)])
             pv = (p * vs[None, :]).astype(qdt)
             if magic:  # (p s) . (c + 1024): remove 1024 sum(p s) with the rounded weights,
                 # summed by the tensor cores (a dot with ones) rather than lane by lane

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from diffkv_jax import quantization as qz
 from diffkv_jax.pool_writes import scatter_columns, scatter_rows, scatter_set
 from pallas_kernels import backend
+from pallas_kernels.paged_decode import pack_meta, unpack_meta, unpack_meta_f32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,12 +102,6 @@ def _meta_word(scale16, zero16):
     return bits(scale16) | (bits(zero16) << jnp.uint32(16))
 
 
-def _meta_halves(word):
-    half = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)  # noqa: E731
-    return (half(word & jnp.uint32(0xFFFF)).astype(jnp.float32),
-            half(word >> jnp.uint32(16)).astype(jnp.float32))
-
-
 def _kernel(*refs, writes: tuple, interpret: bool):
     """``writes``: per token ``("new" | "moved", src_fmt, fmt)``, in write order."""
     n_in = 6 * len(writes)
@@ -151,7 +146,7 @@ def _kernel(*refs, writes: tuple, interpret: bool):
         for cols, meta in ((key_cols, km_ref), (value_cols, vm_ref)):
             bits = fmt.key_bits if cols is key_cols else fmt.value_bits
             blocks = [get(data_ref, page, cols(fmt, slot, m)) for m in range(bits // 2)]
-            scale, zero = _meta_halves(get(meta, page, jnp.full((1,), slot)))
+            scale, zero = unpack_meta_f32(get(meta, page, jnp.full((1,), slot)))
             out.append([c.astype(jnp.float32) * scale + zero
                         for c in qz.unpack_parts(blocks, bits)])
         return out
@@ -233,8 +228,6 @@ def write_tokens(data, k_meta, v_meta, scores, positions, writes: Sequence[Token
 
 def read_token_reference(data, k_meta, v_meta, fmt: TokenFormat, page, slot):
     """Dequantized ``(keys, values)`` float32 ``[..., D]`` stored at ``(page, slot)``."""
-    from pallas_kernels.paged_decode import unpack_meta
-
     kw, vw, cap, D = fmt.key_width, fmt.value_width, fmt.slots, fmt.head_dim
     s = slot[..., None]
     kb = data[page[..., None], s * kw + jnp.arange(kw)]
@@ -249,8 +242,6 @@ def write_tokens_reference(data, k_meta, v_meta, scores, positions,
                            writes: Sequence[TokenWrite]):
     """Plain-jnp :func:`write_tokens`: quantization and scatters as the cache's XLA
     path does them (out-of-range pages dropped)."""
-    from pallas_kernels.paged_decode import pack_meta
-
     for w in writes:
         if isinstance(w, NewToken):
             k, v = w.keys, w.values
