@@ -80,13 +80,44 @@ def packed_width(D: int, bits: int) -> int:
 def _f16_round_down(v: jax.Array) -> jax.Array:
     """Largest float16 ``<= v`` (float32 ``v``), for ``v`` within float16 range."""
     h = v.astype(jnp.float16)
-    return jnp.where(h.astype(jnp.float32) > v, jnp.nextafter(h, jnp.full_like(h, -jnp.inf)), h)
+    return jnp.where(h.astype(jnp.float32) > v, _f16_step(h, up=False), h)
 
 
 def _f16_round_up(v: jax.Array) -> jax.Array:
     """Smallest float16 ``>= v`` (float32 ``v``), for ``v`` within float16 range."""
     h = v.astype(jnp.float16)
-    return jnp.where(h.astype(jnp.float32) < v, jnp.nextafter(h, jnp.full_like(h, jnp.inf)), h)
+    return jnp.where(h.astype(jnp.float32) < v, _f16_step(h, up=True), h)
+
+
+def _f16_step(h: jax.Array, up: bool) -> jax.Array:
+    """The float16 next to ``h`` towards +inf (``up``) or -inf, for finite ``h``:
+    ``jnp.nextafter`` by integer arithmetic on the bits (GPU kernels lack a float16
+    nextafter). Zeros of either sign step to the smallest subnormal of the
+    direction; the one difference, ``-tiny`` up giving +0 rather than -0, is never
+    reached by the quantizer (it steps down from a minimum or up from a range)."""
+    b = lax.bitcast_convert_type(h, jnp.int16).astype(jnp.int32)
+    ordered = jnp.where(b >= 0, b, -(b & 0x7FFF))  # both zeros -> 0, monotone in h
+    ordered = ordered + (1 if up else -1)
+    b = jnp.where(ordered >= 0, ordered, (-ordered) | 0x8000)
+    return lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)
+
+
+def _metadata(mn: jax.Array, mx: jax.Array, levels: int):
+    """Float16 ``(scale16, zero16)`` of vectors with float32 minimum ``mn`` and
+    maximum ``mx`` (within float16 range), such that ``zero16 <= mn`` and
+    ``zero16 + scale16 * levels >= mx``."""
+    zero16 = _f16_round_down(mn)
+    rng = mx - zero16.astype(jnp.float32)  # >= 0 since zero <= mn <= mx
+    scale16 = _f16_round_up(rng / levels)
+    # rng and rng / levels are float32-rounded, so the rounded-up scale can
+    # still leave the top level a float32 ulp short of max. scale16 * levels
+    # is exact in float32 (11 + 8 significant bits) and rng is within half an
+    # ulp of the true max - zero, so a strict ">" proves the bound in exact
+    # arithmetic; otherwise one float16 ulp more covers it by a wide margin.
+    short = scale16.astype(jnp.float32) * levels <= rng
+    scale16 = jnp.where(short, _f16_step(scale16, up=True), scale16)
+    scale16 = jnp.where(rng == 0, jnp.float16(_F16_TINY), scale16)
+    return scale16, zero16
 
 
 def quantize(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -111,19 +142,8 @@ def quantize(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     mn = jnp.min(x, axis=-1)
     mx = jnp.max(x, axis=-1)
 
-    zero16 = _f16_round_down(mn)
-    zero = zero16.astype(jnp.float32)
-    rng = mx - zero  # >= 0 since zero <= mn <= mx
-    scale16 = _f16_round_up(rng / levels)
-    # rng and rng / levels are float32-rounded, so the rounded-up scale can
-    # still leave the top level a float32 ulp short of max. scale16 * levels
-    # is exact in float32 (11 + 8 significant bits) and rng is within half an
-    # ulp of the true max - zero, so a strict ">" proves the bound in exact
-    # arithmetic; otherwise one float16 ulp more covers it by a wide margin.
-    short = scale16.astype(jnp.float32) * levels <= rng
-    scale16 = jnp.where(short, jnp.nextafter(scale16, jnp.full_like(scale16, jnp.inf)), scale16)
-    scale16 = jnp.where(rng == 0, jnp.float16(_F16_TINY), scale16)
-    scale = scale16.astype(jnp.float32)
+    scale16, zero16 = _metadata(mn, mx, levels)
+    zero, scale = zero16.astype(jnp.float32), scale16.astype(jnp.float32)
 
     codes = jnp.round((x - zero[..., None]) / scale[..., None])
     codes = jnp.clip(codes, 0, levels).astype(jnp.uint8)
@@ -193,19 +213,6 @@ def quantize_packed(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.
     return pack(codes, bits), scale, zero
 
 
-def _f16_step(h: jax.Array, up: bool) -> jax.Array:
-    """The float16 next to ``h`` towards +inf (``up``) or -inf, for finite ``h``:
-    ``jnp.nextafter`` by integer arithmetic on the bits (GPU kernels lack a float16
-    nextafter). Zeros of either sign step to the smallest subnormal of the
-    direction; the one difference, ``-tiny`` up giving +0 rather than -0, is never
-    reached by the quantizer (it steps down from a minimum or up from a range)."""
-    b = lax.bitcast_convert_type(h, jnp.int16).astype(jnp.int32)
-    ordered = jnp.where(b >= 0, b, -(b & 0x7FFF))  # both zeros -> 0, monotone in h
-    ordered = ordered + (1 if up else -1)
-    b = jnp.where(ordered >= 0, ordered, (-ordered) | 0x8000)
-    return lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)
-
-
 def _round_half_even(y: jax.Array) -> jax.Array:
     """``jnp.round`` of ``0 <= y < 2^31`` as int32, from its integer part and the
     (exact) remainder: GPU kernels lack a rounding instruction, and the
@@ -236,17 +243,8 @@ def quantize_parts(parts, bits: int):
     parts = [jnp.clip(p.astype(jnp.float32), -_F16_MAX, _F16_MAX) for p in parts]
     mn = functools.reduce(jnp.minimum, [jnp.min(p, axis=-1) for p in parts])
     mx = functools.reduce(jnp.maximum, [jnp.max(p, axis=-1) for p in parts])
-    h = mn.astype(jnp.float16)
-    zero16 = jnp.where(h.astype(jnp.float32) > mn, _f16_step(h, up=False), h)
-    zero = zero16.astype(jnp.float32)
-    rng = mx - zero
-    v = rng / levels
-    h = v.astype(jnp.float16)
-    scale16 = jnp.where(h.astype(jnp.float32) < v, _f16_step(h, up=True), h)
-    short = scale16.astype(jnp.float32) * levels <= rng  # see quantize()
-    scale16 = jnp.where(short, _f16_step(scale16, up=True), scale16)
-    scale16 = jnp.where(rng == 0, jnp.float16(_F16_TINY), scale16)
-    scale = scale16.astype(jnp.float32)
+    scale16, zero16 = _metadata(mn, mx, levels)
+    zero, scale = zero16.astype(jnp.float32), scale16.astype(jnp.float32)
     codes = [jnp.clip(_round_half_even((p - zero[..., None]) / scale[..., None]), 0, levels)
              for p in parts]
     step = bits // 2  # blocks of D/4 bytes; byte m*D/4 + t holds quarters m + i*step
