@@ -53,6 +53,7 @@ from diffkv_jax import prompt_scoring
 from diffkv_jax.pool_writes import scatter_columns, scatter_rows, scatter_set
 from diffkv_jax.unified_page import Tier, UnifiedPageLayout
 from pallas_kernels import paged_decode as pdk
+from pallas_kernels import token_writes as tw
 
 HI, LO = 0, 1
 
@@ -299,20 +300,13 @@ class DiffKVCache(SlotAccounting):
 
     def _read_tokens(self, state: DiffKVState, tier: int, page, slot):
         """Dequantized ``(k, v)`` float32 ``[..., D]`` stored at ``(page, slot)``."""
-        lay, t, D = self.layout, self._tier(tier), self.head_dim
-        kw, vw, cap = lay.key_width(tier), lay.value_width(tier), self.cap(tier)
-        # One gather of the token's own bytes (its key row and value column): every
-        # later write to the pool then depends on this read, so XLA can update the
-        # pool in place (two reads let it copy the pool instead).
-        s = slot[..., None]
-        cols = jnp.concatenate([s * kw + jnp.arange(kw), cap * kw + cap * jnp.arange(vw) + s],
-                               axis=-1)
-        tok = state.data[page[..., None], cols]
-        kb, vb = tok[..., :kw], tok[..., kw:]
-        ks, kz = pdk.unpack_meta(state.k_meta[page, slot])
-        vs, vz = pdk.unpack_meta(state.v_meta[page, slot])
-        return (qz.dequantize_packed(kb, ks, kz, t.k_bits, D),
-                qz.dequantize_packed(vb, vs, vz, t.v_bits, D))
+        return tw.read_token_reference(state.data, state.k_meta, state.v_meta,
+                                       self._token_format(tier), page, slot)
+
+    def _token_format(self, tier: int):
+        """How ``tier`` stores a token (:class:`pallas_kernels.token_writes.TokenFormat`)."""
+        t = self._tier(tier)
+        return tw.TokenFormat(t.k_bits, t.v_bits, self.cap(tier), self.head_dim)
 
     def gather_rows(self, state: DiffKVState, layer, tier: int, n_pages: int) -> RowView:
         """Gather ``n_pages`` pages of ``tier`` for every decode row of ``layer``.
@@ -707,22 +701,18 @@ class DiffKVCache(SlotAccounting):
         """The writes of :meth:`apply_decision` in one kernel launch that also reads,
         re-quantizes and quantizes the tokens
         (:func:`pallas_kernels.token_writes.write_tokens`)."""
-        from pallas_kernels.token_writes import MovedToken, NewToken, TokenFormat, write_tokens
-
-        def fmt(tier):
-            t = self._tier(tier)
-            return TokenFormat(t.k_bits, t.v_bits, self.cap(tier), self.head_dim)
-
+        fmt = self._token_format
         i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
         writes = []
         if demote is not None:
             src_page, src_slot, page, slot, score, pos = demote
-            writes.append(MovedToken(fmt(HI), fmt(LO), i32(src_page), i32(src_slot), i32(page),
-                                     i32(slot), score.astype(jnp.float32), i32(pos)))
+            writes.append(tw.MovedToken(fmt(HI), fmt(LO), i32(src_page), i32(src_slot),
+                                        i32(page), i32(slot), score.astype(jnp.float32),
+                                        i32(pos)))
         page, slot, k, v, score, pos = newcomer
-        writes.append(NewToken(fmt(HI), i32(page), i32(slot), k, v, score.astype(jnp.float32),
-                               i32(pos)))
-        data, k_meta, v_meta, scores, positions = write_tokens(
+        writes.append(tw.NewToken(fmt(HI), i32(page), i32(slot), k, v,
+                                  score.astype(jnp.float32), i32(pos)))
+        data, k_meta, v_meta, scores, positions = tw.write_tokens(
             state.data, state.k_meta, state.v_meta, state.scores, state.positions, writes)
         return state.replace(data=data, k_meta=k_meta, v_meta=v_meta, scores=scores,
                              positions=positions)

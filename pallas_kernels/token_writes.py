@@ -228,14 +228,18 @@ def write_tokens(data, k_meta, v_meta, scores, positions, writes: Sequence[Token
 
 def read_token_reference(data, k_meta, v_meta, fmt: TokenFormat, page, slot):
     """Dequantized ``(keys, values)`` float32 ``[..., D]`` stored at ``(page, slot)``."""
-    kw, vw, cap, D = fmt.key_width, fmt.value_width, fmt.slots, fmt.head_dim
+    kw, vw, cap = fmt.key_width, fmt.value_width, fmt.slots
+    # One gather of the token's own bytes (its key row and value column): every
+    # later write to the pool then depends on this read, so XLA can update the
+    # pool in place (two reads let it copy the pool instead).
     s = slot[..., None]
-    kb = data[page[..., None], s * kw + jnp.arange(kw)]
-    vb = data[page[..., None], (kw + jnp.arange(vw)) * cap + s]
+    cols = jnp.concatenate([s * kw + jnp.arange(kw), cap * kw + cap * jnp.arange(vw) + s],
+                           axis=-1)
+    tok = data[page[..., None], cols]
     ks, kz = unpack_meta(k_meta[page, slot])
     vs, vz = unpack_meta(v_meta[page, slot])
-    return (qz.dequantize_packed(kb, ks, kz, fmt.key_bits, D),
-            qz.dequantize_packed(vb, vs, vz, fmt.value_bits, D))
+    return (qz.dequantize_packed(tok[..., :kw], ks, kz, fmt.key_bits, fmt.head_dim),
+            qz.dequantize_packed(tok[..., kw:], vs, vz, fmt.value_bits, fmt.head_dim))
 
 
 def write_tokens_reference(data, k_meta, v_meta, scores, positions,
