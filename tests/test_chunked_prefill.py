@@ -85,20 +85,25 @@ def _chunked_prefill(method, steps, params, state, prompts, chunk=16, until=None
     return state, logits
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["full", "fp8"])
-def test_chunks_leave_the_cache_and_logits_of_a_whole_prefill(tiny_model, which):
-    cfg, params = tiny_model
-    method = _methods(cfg)[which]
+def _whole_and_chunked(cfg, params, method):
+    """The same two prompts (37 and 21 tokens, slots 0 and 1) prefilled whole into one
+    fresh cache and in chunks of 16 into another (the second row ends a chunk
+    earlier): ``(steps, whole, logits_whole, chunked, logits)``."""
     assert method.supports_chunked_prefill
     steps = CompiledSteps(cfg, method, jnp.float32)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.vocab_size, size=n).astype(np.int32) for n in (37, 21)]
     pages = 3 * method.pages_for_tokens(128)
-
-    # One whole-prompt prefill of both rows, then the same prompts in chunks of 16
-    # (the second row ends a chunk earlier).
     whole, logits_whole = _whole_prefill(method, steps, params, method.init_state(pages), prompts)
     chunked, logits = _chunked_prefill(method, steps, params, method.init_state(pages), prompts)
+    return steps, whole, logits_whole, chunked, logits
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["full", "fp8"])
+def test_chunks_leave_the_cache_and_logits_of_a_whole_prefill(tiny_model, which):
+    cfg, params = tiny_model
+    method = _methods(cfg)[which]
+    steps, whole, logits_whole, chunked, logits = _whole_and_chunked(cfg, params, method)
     # A quantized cache's later chunks attend to the stored (quantized) prefix, as its
     # decode steps do, where a whole prefill attends to exact values: close, not equal.
     tol = 2e-4 if which == 0 else 0.35
@@ -229,13 +234,8 @@ def _check_chunks_against_whole(cfg, params, name, opts, page_size=8, **method_k
     # (the GPU kernel's smallest dot tile needs pages of >= 16 tokens)
     method = make_method(name, cfg, max_seqs=3, max_context=128, page_size=page_size,
                          **opts, **method_kw)
-    assert method.supports_chunked_prefill
-    steps = CompiledSteps(cfg, method, jnp.float32)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, cfg.vocab_size, size=n).astype(np.int32) for n in (37, 21)]
+    steps, whole, logits_whole, chunked, logits = _whole_and_chunked(cfg, params, method)
     pages = 3 * method.pages_for_tokens(128)
-    whole, logits_whole = _whole_prefill(method, steps, params, method.init_state(pages), prompts)
-    chunked, logits = _chunked_prefill(method, steps, params, method.init_state(pages), prompts)
     for i in range(2):
         a, b = logits[i], np.asarray(logits_whole[i])
         np.testing.assert_allclose(a, b, rtol=0.35, atol=0.35)
