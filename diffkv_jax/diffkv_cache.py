@@ -219,12 +219,23 @@ class DiffKVCache(SlotAccounting):
         return per_row * self.num_layers * self.num_kv_heads
 
     # ---- state ------------------------------------------------------------------
+    def addressable_pages(self, num_pages: int) -> int:
+        """The largest pool of at most ``num_pages`` pages the GPU kernel can address.
+
+        Its 32-bit offsets overflow on code pools of 2 - 4 GiB (the pool keeps one
+        extra sentinel page); a count there drops to the largest below 2 GiB.
+        """
+        lay = self.layout
+        if self.attention_impl != "pallas" or pdk.addressable(
+                (num_pages + 1) * lay.data_bytes, 1):
+            return num_pages
+        return 2**31 // lay.data_bytes - 1
+
     def init_state(self, num_pages: int) -> DiffKVState:
         S, L, H, R = self.max_seqs, self.num_layers, self.num_kv_heads, self.row_len
         lay = self.layout
-        if self.attention_impl == "pallas" and not pdk.addressable(
-                (num_pages + 1) * lay.data_bytes, 1):
-            below = 2**31 // lay.data_bytes - 1
+        if self.addressable_pages(num_pages) != num_pages:
+            below = self.addressable_pages(num_pages)
             above = 2**32 // lay.data_bytes + 1
             raise ValueError(f"{num_pages} pages ({(num_pages + 1) * lay.data_bytes} bytes of "
                              "codes) fall where the GPU kernel's 32-bit offsets overflow "

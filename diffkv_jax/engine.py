@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from diffkv_jax import memory_budget
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams,
                                    decode_width, next_pow2, page_width,
@@ -291,7 +292,13 @@ class Engine(Generator):
     """Serve many requests through ``method.max_seqs`` decode slots.
 
     Args:
-      cfg, params, method, num_pages, dtype: as for :class:`Generator`.
+      cfg, params, method, dtype: as for :class:`Generator`; ``method.max_seqs`` is the
+        most requests decoded together (the max batch).
+      num_pages: pool pages. None: as many as ``memory_bytes`` holds
+        (:func:`memory_budget.pages_for_memory`, page tables included).
+      memory_bytes: the cache's memory budget in bytes, when ``num_pages`` is None.
+        None: :data:`memory_budget.DEFAULT_MEMORY_FRACTION` of what the device has
+        free once the weights are on it.
       max_prefill_batch: prompts (or prompt chunks) prefilled together in one step.
       admit_headroom_tokens: growth, in tokens per running request, kept free when
         admitting (fewer preemptions, a smaller batch); 0 admits while pages last.
@@ -323,9 +330,16 @@ class Engine(Generator):
     #: A results read shorter than this found the results ready (no real wait).
     READY_WAIT_S = 2e-4
 
-    def __init__(self, cfg, params, method, num_pages: int, dtype=jnp.float32,
+    def __init__(self, cfg, params, method, num_pages: int | None = None, dtype=jnp.float32,
                  max_prefill_batch: int = 4, detokenizer=None,
-                 admit_headroom_tokens: int = 0, prefill_chunk: int | None = None):
+                 admit_headroom_tokens: int = 0, prefill_chunk: int | None = None,
+                 memory_bytes: int | None = None):
+        if num_pages is None:
+            if memory_bytes is None:
+                memory_bytes = memory_budget.default_memory_bytes()
+            num_pages = memory_budget.pages_for_memory(method, memory_bytes)
+        elif memory_bytes is not None:
+            raise ValueError("give num_pages or memory_bytes, not both")
         super().__init__(cfg, params, method, num_pages, dtype)
         self.max_prefill_batch = max_prefill_batch
         if prefill_chunk is not None:

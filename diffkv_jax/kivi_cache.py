@@ -194,9 +194,6 @@ class KiviCache(SlotPages):
         per_row = min(n_tokens // self.page_size + 1, self.row_len)
         return per_row * self.num_layers * self.num_kv_heads
 
-    def pages_for_budget(self, budget_bytes: int) -> int:
-        return max(1, int(budget_bytes) // self.page_bytes)
-
     # ---- state ----------------------------------------------------------------
     def init_state(self, num_pages: int) -> KiviState:
         """Empty cache with ``num_pages`` usable pages."""

@@ -160,9 +160,6 @@ class FullCache(SlotPages):
         bound = grows.sum(axis=1) * per_slot
         return jnp.where(m[:, 0] <= self.page_size, bound, -1).astype(jnp.int32)
 
-    def pages_for_budget(self, budget_bytes: int) -> int:
-        return max(1, int(budget_bytes) // self.page_bytes)
-
     # ---- state ----------------------------------------------------------------
     def init_state(self, num_pages: int) -> PagedKVState:
         """Empty cache with ``num_pages`` usable pages."""
