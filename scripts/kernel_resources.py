@@ -14,6 +14,7 @@ and 228 KiB of shared memory per H200 multiprocessor.
 """
 
 import argparse
+import collections
 import contextlib
 import functools
 import io
@@ -69,8 +70,8 @@ def triton_ir(fn, *args) -> str:
     return text[text.index(MARK):].split("\n", 1)[1]  # strip_locations cuts the module out
 
 
-def loop_instructions(sass: str) -> list[int]:
-    """Instructions in each loop of a SASS listing (a backward branch closes a loop)."""
+def loop_bodies(sass: str) -> list[list[str]]:
+    """The instructions of each loop of a SASS listing (a backward branch closes a loop)."""
     labels, cur, instrs = {}, None, []
     for line in sass.split("\n"):
         m = re.match(r"^(\.L_x_\d+):", line)
@@ -87,8 +88,25 @@ def loop_instructions(sass: str) -> list[int]:
     for addr, text in instrs:
         m = re.search(r"BRA `?\(?(\.L_x_\d+)", text)
         if m and labels.get(m.group(1)) is not None and labels[m.group(1)] < addr:
-            loops.append(sum(1 for a, _ in instrs if labels[m.group(1)] <= a <= addr))
+            loops.append([t for a, t in instrs if labels[m.group(1)] <= a <= addr])
     return loops
+
+
+def loop_instructions(sass: str) -> list[int]:
+    """Instructions in each loop of a SASS listing."""
+    return [len(body) for body in loop_bodies(sass)]
+
+
+def opcode_counts(body: list[str]) -> collections.Counter:
+    """Opcodes (without modifiers or predicates) of a loop body, most common first."""
+    ops = collections.Counter()
+    for text in body:
+        words = text.split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        if words:
+            ops[words[0].split(".")[0].rstrip(";")] += 1
+    return ops
 
 
 def main() -> int:
@@ -101,6 +119,9 @@ def main() -> int:
     p.add_argument("--stages", default="3")
     p.add_argument("--sub", default="0", help="LaunchConfig.sub_slots values (0: whole pages)")
     p.add_argument("--out", default="results/ttir")
+    p.add_argument("--opcodes", type=int, default=0, help="also print each loop's N most "
+                   "common opcodes (static counts: a rarely taken branch, such as the lazy "
+                   "rescale, is included)")
     args = p.parse_args()
 
     import jax
@@ -161,11 +182,16 @@ def main() -> int:
         nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                                 "nvdisasm")
         sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
-        per_token = [f"{n * warps / c:.1f}" for n, c in zip(loop_instructions(sass), caps)]
+        bodies = loop_bodies(sass)
+        per_token = [f"{len(b) * warps / c:.1f}" for b, c in zip(bodies, caps)]
         smem = k.metadata.shared
         blocks = min(65536 // max(1, regs * 32 * warps), 232448 // max(1, smem + 1024), 32)
         print(line + f" {regs:5d} {spills:7d} {smem:7d} {blocks:9d}  {', '.join(per_token)}",
               flush=True)
+        for body, cap in zip(bodies, caps) if args.opcodes else ():
+            top = opcode_counts(body).most_common(args.opcodes)
+            print(f"    loop of {len(body)} instructions per {cap}-token step: "
+                  + " ".join(f"{op} {n}" for op, n in top))
     return 0
 
 
