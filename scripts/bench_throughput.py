@@ -67,6 +67,7 @@ def run_method(label, name, options, cfg, params, args, prompts):
     import jax.numpy as jnp
 
     from diffkv_jax.engine import Engine
+    from diffkv_jax.memory_budget import pages_for_memory
     from diffkv_jax.generation import SamplingParams
     from diffkv_jax.methods import make_method
 
@@ -76,7 +77,8 @@ def run_method(label, name, options, cfg, params, args, prompts):
     options.setdefault("attention_impl", args.attention)
     method = make_method(name, cfg, max_seqs=args.max_batch, max_context=max_context,
                          dtype=dtype, **options)
-    num_pages = max(1, int(args.kv_budget_gb * 2**30) // method.page_bytes)
+    # The same budget for every method: the whole cache state, page tables included.
+    num_pages = pages_for_memory(method, int(args.kv_budget_gb * 2**30))
     chunk = args.prefill_chunk if getattr(method, "supports_chunked_prefill", False) else None
     engine = Engine(cfg, params, method, num_pages, dtype=dtype,
                     max_prefill_batch=args.prefill_batch,
@@ -208,7 +210,8 @@ def main() -> int:
     p.add_argument("--methods", default="full,diffkv",
                    help="comma list; options as name:key=value;key=value")
     p.add_argument("--attention", default="pallas", choices=("reference", "pallas"))
-    p.add_argument("--kv-budget-gb", type=float, default=8.0)
+    p.add_argument("--kv-budget-gb", type=float, default=8.0,
+                   help="the cache's memory in GiB, page tables included (same for every method)")
     p.add_argument("--num-requests", type=int, default=384)
     p.add_argument("--output-len", type=int, default=4096)
     p.add_argument("--max-batch", type=int, default=256)
