@@ -270,8 +270,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
                            else exact_slices(kb, fmt.k_bits, jnp.float32))
                 acc = None
                 for qs, kp in zip(q_slices, k_parts):
-                    d = backend.dot(qs, kp, trans_b=True)
-                    acc = d if acc is None else acc + d
+                    acc = (backend.dot(qs, kp, trans_b=True) if acc is None
+                           else backend.dot_acc(acc, qs, kp, trans_b=True))
                 ks, kz = unpack_meta_f32(km_ref[page, pl.ds(at, cap)])
                 if magic:  # q . (c + 1024) = q . c + 1024 sum(q)
                     kz = kz - MAGIC * ks
@@ -285,13 +285,13 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
             p = jnp.exp2(s - m[:, None])
             l = l + jnp.sum(p, axis=1)
             if not fmt.quantized:
-                accs = [accs[0] + backend.dot(p.astype(pdt), v_ref[page].astype(pdt))]
+                accs = [backend.dot_acc(accs[0], p.astype(pdt), v_ref[page].astype(pdt))]
                 return accs, m, l, r, z
             vs, vz = unpack_meta_f32(vm_ref[page, pl.ds(at, cap)])
             pv = (p * vs[None, :]).astype(qdt)
             if magic:  # (p s) . (c + 1024): remove 1024 sum(p s) with the rounded weights,
                 # summed by the tensor cores (a dot with ones) rather than lane by lane
-                r = r + backend.dot(pv, jnp.ones((RW, cap), qdt), trans_b=True)
+                r = backend.dot_acc(r, pv, jnp.ones((RW, cap), qdt), trans_b=True)
             z = z + jnp.sum(p * vz[None, :], axis=1)
             # Value part i holds dims [i w, (i + 1) w): slice i*w // vw, rows (i*w) % vw.
             out = list(accs)
@@ -301,7 +301,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
                            else exact_slices(vb, fmt.v_bits, jnp.float32))
                 for sl, vp in enumerate(v_parts):
                     i = (sl * vw + rb * w) // w
-                    out[i] = out[i] + backend.dot(pv, vp, trans_b=True)
+                    out[i] = backend.dot_acc(out[i], pv, vp, trans_b=True)
             return out, m, l, r, z
 
         return (lax.fori_loop(first * n_sub, last * n_sub, body, carry),

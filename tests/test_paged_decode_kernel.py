@@ -266,3 +266,34 @@ def test_diffkv_cache_refuses_pools_the_kernel_cannot_address():
     m = DiffKVCache(1, 1, 128, 1, 64, attention_impl="pallas")
     with pytest.raises(ValueError, match="32-bit offsets"):
         m.init_state(3 * 2**30 // m.layout.data_bytes)
+
+
+def test_gpu_lowering_accumulates_in_the_mma():
+    # Lowered for CUDA on the CPU: every product that adds to an accumulator goes
+    # through backend.dot_acc, so no float add consumes a dot's result (with
+    # Pallas' own dot, each one was an FADD per output element per page).
+    import re
+
+    import jax
+
+    from pallas_kernels import backend
+    from scripts.kernel_resources import strip_locations, triton_ir
+
+    assert backend.FUSED_DOT_ACC
+    D, G = 128, 4
+    tiers = []
+    for kb, vb, cap in [(8, 4, 32), (4, 2, 64)]:
+        fmt = pdk.TierFormat(kb, vb, D, cap)
+        kv, vv = pdk.page_views(jnp.zeros((8, fmt.data_bytes), jnp.uint8), fmt)
+        meta = (jnp.zeros((8, cap), jnp.uint32),) * 2
+        tiers.append(pdk.TierInput(fmt, kv, vv, meta, jnp.zeros((1, 1, 2), jnp.int32),
+                                   jnp.zeros((1, 1), jnp.int32)))
+    fn = jax.jit(lambda q: pdk.paged_decode_partials(q, tiers, group=G, interpret=False))
+    ir = strip_locations(triton_ir(fn, jnp.zeros((1, 1, 16, D), jnp.bfloat16)))
+    dots = re.findall(r"(%[\w#]+) = tt\.dot (%[\w#]+), (%[\w#]+), (%[\w#]+)", ir)
+    # Keys: 1 dot for K8, 2 for K4. Values: 4 per tier (the launch keeps 4 output
+    # slices of 32 dims for K4V2's 2-bit codes; K8V4's 64 value bytes fill them in two
+    # row blocks of two nibble slices). One offset-sum dot per tier.
+    assert len(dots) == (1 + 4 + 1) + (2 + 4 + 1)
+    for name, *_ in dots:
+        assert not re.search(rf"arith\.addf [^\n]*{re.escape(name)}(?![\w#])", ir), name
