@@ -110,7 +110,7 @@ def breakdown(name, cfg, params, args):
 
     B, C = args.batch, args.context
     # Steps each variant and the compaction timing add to every row's context.
-    budget = (len(VARIANTS) + 2) * (3 * args.iters + 2) + args.profile + 8
+    budget = (len(VARIANTS) + 2) * (3 * args.iters + 2) + 2 * (args.profile + 1) + 8
     options = {"attention_impl": args.attention}
     if name == "diffkv":
         options.update(alpha_high=args.alpha_high, alpha_low=args.alpha_low)
@@ -188,6 +188,20 @@ def breakdown(name, cfg, params, args):
         state = end(state, dbatch)
     jax.block_until_ready(state)
     row["compaction_ms"] = (time.perf_counter() - t0) / (2 * args.iters) * 1e3
+    if args.profile:  # its kernels' device time: separate calls' wall time includes dispatch
+        from scripts.device_profile import kernel_times
+
+        box = [state]
+
+        def run_end():
+            box[0] = end(box[0], dbatch)
+            jax.block_until_ready(box[0])
+
+        _, busy, _ = kernel_times(run_end, args.profile)
+        state = box[0]
+        row["compaction_device_ms"] = busy
+        print(f"  {name} compaction (end_decode): {row['compaction_ms']:.3f} ms per queued "
+              f"call, {busy:.3f} ms of kernels", flush=True)
     if "model-only" not in row:  # --only-step: no split
         row["attention_ms"] = row["write_ms"] = row["model-only"] = float("nan")
     elif "no-attention" in row:
