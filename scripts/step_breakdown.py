@@ -175,6 +175,15 @@ def breakdown(name, cfg, params, args):
             row["profile"] = dict(kernels=kt, busy_ms=busy, wall_ms=wall,
                                   launches=kernel_times.launches,
                                   idle_before=kernel_times.gaps[:40])
+            if args.hlo_dir:  # each traced kernel's lines of our code
+                from scripts.hlo_sources import kernel_sources
+
+                ours = ("diffkv_jax/", "pallas_kernels/", "models/")
+                src = kernel_sources(fn.as_text(), keep=lambda p: any(k in p for k in ours))
+                row["profile"]["sources"] = {k[0]: src.get(k[0], []) for k in kt}
+                print(f"  {name}: the top kernels' source lines")
+                for k in kt[:args.top]:
+                    print(f"     {k[0]:36s} {'; '.join(src.get(k[0], ['?']))}")
     end = jax.jit(method.end_decode, donate_argnums=(0,))
     jax.block_until_ready(state := end(state, dbatch))
     times = []
