@@ -125,6 +125,12 @@ class DiffKVCache(SlotAccounting):
     # on the kernels on a GPU, "xla" otherwise (in interpret mode the kernel would
     # only be slower).
     write_impl: str = "auto"
+    # Where a decode step's decision is taken on the GPU kernel path: "xla" (the
+    # victims' merge, the decision and the page lookups as XLA ops between the
+    # policy kernel and the token writes) or "pallas" (all of it inside the
+    # token-writes launch, pallas_kernels/token_writes.decide_and_write; needs the
+    # fused writes and the DiffKV rule with its low tier).
+    decide_impl: str = "xla"
 
     name = "diffkv"
 
@@ -140,6 +146,13 @@ class DiffKVCache(SlotAccounting):
         if self.write_impl not in ("auto", "xla", "pallas"):
             raise ValueError(f"write_impl must be 'auto', 'xla' or 'pallas', "
                              f"got {self.write_impl!r}")
+        if self.decide_impl not in ("xla", "pallas"):
+            raise ValueError(f"decide_impl must be 'xla' or 'pallas', got {self.decide_impl!r}")
+        if self.decide_impl == "pallas" and not (
+                self.attention_impl == "pallas" and self.policy.rule == "diffkv"
+                and self.policy.low_tier and self.write_impl != "xla"):
+            raise ValueError("decide_impl='pallas' needs attention_impl='pallas', the DiffKV "
+                             "rule with its low tier, and the token-writes kernel")
         if self.attention_impl == "pallas" and (
                 self.head_dim % 16 or any(self.layout.used_bytes(t) != self.layout.data_bytes
                                           for t in (HI, LO))):
@@ -685,6 +698,25 @@ class DiffKVCache(SlotAccounting):
         n_tok = state.n_tok.at[:S, layer].set(jnp.where(
             act[..., None], jnp.stack([d["n_high"], d["n_low"]], -1), state.n_tok[:S, layer]))
         return state.replace(n_tok=n_tok)
+
+    def decide_and_write(self, state: DiffKVState, layer, k_new, v_new, partial_victims,
+                         p_new, active) -> DiffKVState:
+        """:meth:`apply_decision` in one kernel launch from the policy kernel's partial
+        victims (``score_victims(..., merge=False)``): the victims' merge, the
+        decision, the page lookups and the writes (``decide_impl="pallas"``)."""
+        import functools
+
+        S = self.max_seqs
+        fmt = self._token_format
+        data, k_meta, v_meta, scores, positions, n_tok = tw.decide_and_write(
+            state.data, state.k_meta, state.v_meta, state.scores, state.positions,
+            victims=partial_victims, n_tok=state.n_tok[:S, layer],
+            rows=state.page_table[:S, layer], cur=state.seq_len[:S], active=active,
+            k_new=k_new, v_new=v_new, p_new=p_new,
+            decide=functools.partial(pol.decode_decision, self.policy), high=fmt(HI),
+            low=fmt(LO))
+        return state.replace(data=data, k_meta=k_meta, v_meta=v_meta, scores=scores,
+                             positions=positions, n_tok=state.n_tok.at[:S, layer].set(n_tok))
 
     def _write_scatters(self, state: DiffKVState, demote, newcomer) -> DiffKVState:
         """The writes of :meth:`apply_decision` as XLA gathers and scatters: the demoted

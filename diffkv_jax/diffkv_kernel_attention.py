@@ -163,9 +163,15 @@ def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: i
                                                               v_new, n_hi, n_lo, work)
     caps = [method.cap(HI), method.cap(LO)][:len(pages)]
     n_tok = method.scoring_rows(state, layer, active)[:len(pages)]
+    in_kernel = method.decide_impl == "pallas" and len(pages) == 2
     scores, victims = score_victims(logits, M, L, pages, n_tok, state.seq_len[:S],
                                     state.prompt_len[:S], state.scores, state.positions,
-                                    caps=caps, group=G, rule=pol.victim_rule(method.policy))
+                                    caps=caps, group=G, rule=pol.victim_rule(method.policy),
+                                    merge=not in_kernel)
+    if in_kernel:  # merge, decide and write in the token-writes launch
+        state = method.decide_and_write(state.replace(scores=scores), layer, k_new, v_new,
+                                        victims, p_new, active)
+        return state, out
     if len(victims) == 1:  # no low tier: no low victim
         victims.append(no_victims(S, method.num_kv_heads))
     state = method.apply_decision(state.replace(scores=scores), layer, k_new, v_new, victims,

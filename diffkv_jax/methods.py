@@ -61,11 +61,12 @@ def _diffkv_cache(cfg: ModelConfig, *, max_seqs: int, max_context: int, page_siz
                  else options.pop(k)) for k in ("high", "low") if k in options}
     impl = options.pop("attention_impl", "reference")
     writes = options.pop("write_impl", "auto")
+    decide = options.pop("decide_impl", "xla")
     policy = DiffKVPolicy(**options)
     return DiffKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                        max_context=max_context, policy=policy,
                        tokens_per_page=page_size or 32, attention_impl=impl,
-                       write_impl=writes, **tiers)
+                       write_impl=writes, decide_impl=decide, **tiers)
 
 
 #: Budget (tokens per (sequence, layer, KV head)) of the eviction baselines when neither
@@ -175,7 +176,8 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     :class:`DiffKVPolicy`), ``high``, ``low`` (tiers such as
     "K8V4" or :class:`Tier`), ``attention_impl`` ("reference" or "pallas"),
     ``write_impl`` ("auto", "xla" or "pallas": how decode writes its tokens; "auto"
-    is the kernel on the GPU kernel path).
+    is the kernel on the GPU kernel path), ``decide_impl`` ("xla" or "pallas": the
+    decode decision as XLA ops or inside the token-writes launch).
     ``int8`` / ``k8v4``: the diffkv options except the ones that define them
     (``high``, ``low``, ``low_tier``, ``alpha_low``).
     ``h2o`` / ``streamingllm`` / ``snapkv`` (token eviction, every kept token K8V8):

@@ -169,7 +169,7 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
                   n_tok: Sequence[jax.Array], cur, prompt_len, scores, positions, *,
                   caps: Sequence[int], group: int, rule: VictimRule = VictimRule(),
                   block: int = 512, splits: int | None = None, num_warps: int = 4,
-                  num_stages: int = 2, interpret: bool | None = None):
+                  num_stages: int = 2, interpret: bool | None = None, merge: bool = True):
     """Add this step's probabilities to the scores and find each row's victims.
 
     Args:
@@ -184,6 +184,8 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
       block: tokens a program handles per step (whole pages, gathered by page ID).
       splits: programs per row, each over an equal share of the row's steps (their
         victims are merged after the launch); default 4 on the GPU, 1 otherwise.
+      merge: False returns the splits' partial victims ``(vi, vf)`` instead (for
+        :func:`merge_victims`, or a kernel that merges them itself).
     Returns:
       ``(scores, victims)``; ``victims`` per tier ``(slot, key, pos, score)``, each
       ``[S, H]``: the victim's slot in the row's tier (-1 when none is eligible),
@@ -222,8 +224,18 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
         compiler_params=None if interpret else backend.compiler_params(num_warps, num_stages),
         name="policy_scores",
     )(*args)
+    if not merge:
+        return new_scores, (vi, vf)
+    return new_scores, merge_victims(vi, vf, n_t)
+
+
+def merge_victims(vi, vf, n_tiers: int):
+    """Each row's victims from its splits' partial victims (``score_victims(...,
+    merge=False)``): ``vi [S, H, K, >= 3 n]`` ints (slot, tie, pos per tier), ``vf [S, H,
+    K, >= 2 n]`` floats (key, score per tier). Returns per tier ``(slot, key, pos,
+    score)`` ``[S, H]`` as :func:`score_victims`."""
     victims = []
-    for t in range(n_t):
+    for t in range(n_tiers):
         slot, tie, pos = vi[..., 3 * t], vi[..., 3 * t + 1], vi[..., 3 * t + 2]
         key, score = vf[..., 2 * t], vf[..., 2 * t + 1]
         # The row's victim: the lexicographic minimum over its splits' victims.
@@ -233,7 +245,7 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
         victims.append((jnp.where(found, smin, -1), kmin[..., 0],
                         jnp.sum(jnp.where(pick, pos, 0), axis=-1),
                         jnp.sum(jnp.where(pick, score, 0.0), axis=-1)))
-    return new_scores, victims
+    return victims
 
 
 def score_victims_reference(probs: Sequence[jax.Array], pages: Sequence[jax.Array],

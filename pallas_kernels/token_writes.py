@@ -102,19 +102,22 @@ def _meta_word(scale16, zero16):
     return bits(scale16) | (bits(zero16) << jnp.uint32(16))
 
 
-def _kernel(*refs, writes: tuple, interpret: bool):
-    """``writes``: per token ``("new" | "moved", src_fmt, fmt)``, in write order."""
-    n_in = 6 * len(writes)
-    # The pools' outputs alias their inputs, and the kernel reads the outputs: a
-    # read of the inputs would make XLA keep them apart (copy them) off the GPU.
-    ins, pools_out = refs[:n_in], refs[n_in + 5:]
-    data_ref, km_ref, vm_ref, sc_ref, pos_ref = pools_out
-    P = data_ref.shape[0]
+class _Pool:
+    """One program's reads and writes of stored tokens in the aliased pool refs.
 
-    def put(ref, page, cols, x):
+    The kernels read the pools' outputs, not their inputs: a read of the inputs
+    would make XLA keep the two apart (copy the pool) off the GPU.
+    """
+
+    def __init__(self, pools_out, interpret: bool):
+        self.data_ref, self.km_ref, self.vm_ref, self.sc_ref, self.pos_ref = pools_out
+        self.interpret = interpret
+        self.P = self.data_ref.shape[0]
+
+    def put(self, ref, page, cols, x):
         """``ref[page, cols] = x``, dropped when the page is past the pool."""
-        n = cols.shape[0]
-        if interpret:  # an index past the pool is dropped by the scatter
+        n, P = cols.shape[0], self.P
+        if self.interpret:  # an index past the pool is dropped by the scatter
             ref[jnp.full((n,), jnp.where(page < P, page, P)), cols] = x
         else:
             from jax.experimental.pallas import triton as plgpu
@@ -122,55 +125,69 @@ def _kernel(*refs, writes: tuple, interpret: bool):
             rows = jnp.full((n,), jnp.minimum(page, P - 1))
             plgpu.store(ref.at[rows, cols], x, mask=jnp.full((n,), page < P))
 
-    def get(ref, page, cols):
+    def get(self, ref, page, cols):
         """``ref[page, cols]`` (a page past the pool reads the last page)."""
-        rows = jnp.full(cols.shape, jnp.minimum(page, P - 1))
-        if interpret:
+        rows = jnp.full(cols.shape, jnp.minimum(page, self.P - 1))
+        if self.interpret:
             return ref[rows, cols]
         from jax.experimental.pallas import triton as plgpu
 
         return plgpu.load(ref.at[rows, cols])
 
+    @staticmethod
     def key_cols(fmt, slot, m):
         q = fmt.head_dim // 4
         return slot * fmt.key_width + m * q + lax.broadcasted_iota(jnp.int32, (q,), 0)
 
+    @staticmethod
     def value_cols(fmt, slot, m):
         q = fmt.head_dim // 4
         rows = fmt.key_width + m * q + lax.broadcasted_iota(jnp.int32, (q,), 0)
         return rows * fmt.slots + slot
 
-    def read(fmt, page, slot):
+    def read(self, fmt, page, slot):
         """The stored token's key and value quarters, dequantized (float32)."""
         out = []
-        for cols, meta in ((key_cols, km_ref), (value_cols, vm_ref)):
-            bits = fmt.key_bits if cols is key_cols else fmt.value_bits
-            blocks = [get(data_ref, page, cols(fmt, slot, m)) for m in range(bits // 2)]
-            scale, zero = unpack_meta_f32(get(meta, page, jnp.full((1,), slot)))
+        for cols, meta, bits in ((self.key_cols, self.km_ref, fmt.key_bits),
+                                 (self.value_cols, self.vm_ref, fmt.value_bits)):
+            blocks = [self.get(self.data_ref, page, cols(fmt, slot, m)) for m in range(bits // 2)]
+            scale, zero = unpack_meta_f32(self.get(meta, page, jnp.full((1,), slot)))
             out.append([c.astype(jnp.float32) * scale + zero
                         for c in qz.unpack_parts(blocks, bits)])
         return out
 
-    def write(fmt, page, slot, k_parts, v_parts, score, pos):
-        for parts, bits, cols, meta in ((k_parts, fmt.key_bits, key_cols, km_ref),
-                                        (v_parts, fmt.value_bits, value_cols, vm_ref)):
+    def write(self, fmt, page, slot, k_parts, v_parts, score, pos):
+        """Quantize a token's quarters into ``(page, slot)`` with its side entries."""
+        for parts, bits, cols, meta in ((k_parts, fmt.key_bits, self.key_cols, self.km_ref),
+                                        (v_parts, fmt.value_bits, self.value_cols, self.vm_ref)):
             blocks, scale16, zero16 = qz.quantize_parts(parts, bits)
             for m, block in enumerate(blocks):
-                put(data_ref, page, cols(fmt, slot, m), block)
-            put(meta, page, jnp.full((1,), slot), jnp.full((1,), _meta_word(scale16, zero16)))
-        put(sc_ref, page, jnp.full((1,), slot), score)
-        put(pos_ref, page, jnp.full((1,), slot), pos)
+                self.put(self.data_ref, page, cols(fmt, slot, m), block)
+            self.put(meta, page, jnp.full((1,), slot),
+                     jnp.full((1,), _meta_word(scale16, zero16)))
+        one = lambda x: jnp.broadcast_to(x, (1,))  # noqa: E731
+        self.put(self.sc_ref, page, jnp.full((1,), slot), one(score).astype(jnp.float32))
+        self.put(self.pos_ref, page, jnp.full((1,), slot), one(pos).astype(jnp.int32))
 
+
+def _quarters(ref, head_dim: int):
+    """A ``[D]`` row ref as its four quarters (loaded)."""
+    q = head_dim // 4
+    return [ref[pl.ds(j * q, q)] for j in range(4)]
+
+
+def _kernel(*refs, writes: tuple, interpret: bool):
+    """``writes``: per token ``("new" | "moved", src_fmt, fmt)``, in write order."""
+    n_in = 6 * len(writes)
+    ins, pool = refs[:n_in], _Pool(refs[n_in + 5:], interpret)
     for i, (kind, src_fmt, fmt) in enumerate(writes):
         a, b, c, d, score_r, pos_r = ins[6 * i:6 * i + 6]
         if kind == "new":  # a, b: page, slot; c, d: the token's keys and values
-            q = fmt.head_dim // 4
-            k_parts = [c[pl.ds(j * q, q)] for j in range(4)]
-            v_parts = [d[pl.ds(j * q, q)] for j in range(4)]
-            write(fmt, a[0], b[0], k_parts, v_parts, score_r[...], pos_r[...])
+            pool.write(fmt, a[0], b[0], _quarters(c, fmt.head_dim), _quarters(d, fmt.head_dim),
+                       score_r[...], pos_r[...])
         else:  # a, b: source page, slot; c, d: destination page, slot
-            k_parts, v_parts = read(src_fmt, a[0], b[0])
-            write(fmt, c[0], d[0], k_parts, v_parts, score_r[...], pos_r[...])
+            k_parts, v_parts = pool.read(src_fmt, a[0], b[0])
+            pool.write(fmt, c[0], d[0], k_parts, v_parts, score_r[...], pos_r[...])
 
 
 def _operands(w: TokenWrite):
@@ -223,6 +240,96 @@ def write_tokens(data, k_meta, v_meta, scores, positions, writes: Sequence[Token
         input_output_aliases={n_in + i: i for i in range(len(pools))}, interpret=interpret,
         compiler_params=None if interpret else backend.compiler_params(1, 1),
         name="token_writes",
+    )(*args, *pools))
+
+
+def _row_victim(vi_ref, vf_ref, t: int):
+    """Tier ``t``'s victim of a row from its splits' partial victims (the lexicographic
+    minimum, as :func:`policy_scores.merge_victims`): ``(slot or -1, key, pos, score)``."""
+    from pallas_kernels.policy_scores import BIG, _lexmin
+
+    slot, tie, pos = vi_ref[:, 3 * t], vi_ref[:, 3 * t + 1], vi_ref[:, 3 * t + 2]
+    key, score = vf_ref[:, 2 * t], vf_ref[:, 2 * t + 1]
+    kmin, _, smin = _lexmin(key, tie, slot, slot < BIG)
+    pick = slot == smin
+    return (jnp.where(smin < BIG, smin, -1), kmin, jnp.sum(jnp.where(pick, pos, 0)),
+            jnp.sum(jnp.where(pick, score, 0.0)))
+
+
+def _decide_kernel(vi_ref, vf_ref, n_ref, rows_ref, info_ref, k_ref, v_ref, p_ref, *refs,
+                   decide, high: TokenFormat, low: TokenFormat, interpret: bool):
+    pool, n_out_ref = _Pool(refs[5:10], interpret), refs[10]
+    (vh, key_h, pos_h, score_h), (vl, key_l, pos_l, _) = (_row_victim(vi_ref, vf_ref, t)
+                                                          for t in (0, 1))
+    n_high, n_low, cur, act = n_ref[0], n_ref[1], info_ref[0], info_ref[1] > 0
+    d = decide(vh, key_h, pos_h, vl, key_l, pos_l, n_high, n_low, cur)
+    R = rows_ref.shape[0]
+    page_at = lambda col: rows_ref[jnp.clip(col, 0, R - 1)]  # noqa: E731
+    skip = jnp.int32(pool.P)  # past the pool: the write is dropped
+    # The demoted victim first: it is read from its high slot, which the newcomer may take.
+    v_idx, ls = jnp.maximum(vh, 0), jnp.maximum(d["low_slot"], 0)
+    k_parts, v_parts = pool.read(high, page_at(v_idx // high.slots), v_idx % high.slots)
+    dst = jnp.where(act & (d["low_slot"] >= 0), page_at(R - 1 - ls // low.slots), skip)
+    pool.write(low, dst, ls % low.slots, k_parts, v_parts, score_h, pos_h)
+    ns = d["new_slot"]
+    pool.write(high, jnp.where(act, page_at(ns // high.slots), skip), ns % high.slots,
+               _quarters(k_ref, high.head_dim), _quarters(v_ref, high.head_dim), p_ref[...], cur)
+    lane = lax.broadcasted_iota(jnp.int32, (2,), 0)
+    after = jnp.where(lane == 0, d["n_high"], d["n_low"]).astype(jnp.int32)
+    n_out_ref[...] = jnp.where(act, after, n_ref[...])
+
+
+def decide_and_write(data, k_meta, v_meta, scores, positions, *, victims, n_tok, rows, cur,
+                     active, k_new, v_new, p_new, decide, high: TokenFormat, low: TokenFormat,
+                     interpret: bool | None = None):
+    """One DiffKV decode step's decision and token writes per row, one launch per layer.
+
+    Each row merges its victims from the policy kernel's partial ones, takes the
+    decision (``decide``, e.g. ``functools.partial(diffkv_policy.decode_decision,
+    policy)``, on the row's scalars), looks its pages up in its page-table row, and
+    writes: the demoted victim re-quantized from its high slot into a low slot (or
+    nowhere), then the newcomer into its high slot, as :func:`write_tokens` with a
+    :class:`MovedToken` and a :class:`NewToken`.
+
+    Args:
+      victims: ``(vi, vf)`` of ``policy_scores.score_victims(..., merge=False)`` over
+        the high and the low tier.
+      n_tok: ``[S, H, 2]`` tokens held per tier; rows: ``[S, H, R]`` the layer's
+        page-table rows (high pages from the left, low pages from the right end).
+      cur: ``[S]`` the newcomer's position; active: ``[S]`` rows that decode (the
+        others write nothing and keep their counts).
+      k_new, v_new: ``[S, H, D]``; p_new: ``[S, H]`` the newcomer's score.
+    Returns:
+      ``(data, k_meta, v_meta, scores, positions, n_tok)``, ``n_tok [S, H, 2]`` after.
+    """
+    if interpret is None:
+        interpret = backend.default_interpret()
+    q = high.head_dim // 4
+    if not interpret and q & (q - 1):
+        raise ValueError(f"head_dim {4 * q}: the GPU kernel loads quarters of a head, "
+                         "which need head_dim / 4 to be a power of two")
+    vi, vf = victims
+    S, H = n_tok.shape[:2]
+    info = jnp.stack([jnp.broadcast_to(cur[:, None], (S, H)),
+                      jnp.broadcast_to(active[:, None], (S, H))], -1).astype(jnp.int32)
+    args = [vi.astype(jnp.int32), vf.astype(jnp.float32), n_tok.astype(jnp.int32),
+            rows.astype(jnp.int32), info, k_new.astype(jnp.float32),
+            v_new.astype(jnp.float32), p_new.astype(jnp.float32)[..., None]]
+    row = lambda a: pl.BlockSpec((None, None) + a.shape[2:],  # noqa: E731
+                                 lambda s, h: (s, h) + (0,) * (a.ndim - 2))
+    pools = [data, k_meta, v_meta, scores, positions]
+    whole = lambda a: pl.BlockSpec(a.shape, lambda s, h: (0,) * a.ndim)  # noqa: E731
+    n_out = jax.ShapeDtypeStruct((S, H, 2), jnp.int32)
+    kernel = functools.partial(_decide_kernel, decide=decide, high=high, low=low,
+                               interpret=interpret)
+    return tuple(pl.pallas_call(
+        kernel, grid=(S, H), in_specs=[row(a) for a in args] + [whole(a) for a in pools],
+        out_specs=[whole(a) for a in pools] + [row(n_out)],
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in pools] + [n_out],
+        input_output_aliases={len(args) + i: i for i in range(len(pools))},
+        interpret=interpret,
+        compiler_params=None if interpret else backend.compiler_params(1, 1),
+        name="decide_and_write",
     )(*args, *pools))
 
 

@@ -49,6 +49,50 @@ def test_token_writes_kernel_gives_the_same_decode_as_the_scatters(tiny_model, n
         dataclasses.replace(xla, write_impl="cuda")
 
 
+@pytest.mark.parametrize("opts", [dict(alpha_high=1.0, alpha_low=0.05),
+                                  dict(high_frac=0.5, low_frac=0.3)],
+                         ids=["thresholds", "fixed-mix"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
+                         ids=["here", "gpu"])
+def test_decision_in_the_write_kernel_gives_the_same_state(tiny_model, opts, compiled):
+    # decide_impl="pallas" moves the victims' merge, the decision and the page
+    # lookups into the token-writes launch: the cache state after every step (the
+    # pool's bytes, side arrays, tables, counts) is identical to the XLA decision's.
+    # (Compiled on the GPU the kernels' K4V2 value slices need head dim 64.)
+    import jax
+
+    from diffkv_jax.engine import Engine
+    from diffkv_jax.generation import SamplingParams
+    from models.llama import init_params
+
+    cfg, params = tiny_model
+    if compiled:
+        cfg = dataclasses.replace(cfg, head_dim=64)
+        params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    rng = np.random.default_rng(6)
+    prompts = [list(rng.integers(0, cfg.vocab_size, size=n)) for n in (40, 70)]
+    xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=8, window=8,
+                      attention_impl="pallas", write_impl="pallas", **opts)
+    fused = dataclasses.replace(xla, decide_impl="pallas")
+    runs = []
+    for m in (xla, fused):
+        eng = Engine(cfg, params, m, num_pages=2 * m.pages_for_tokens(128) + 64)
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=50)) for p in prompts]
+        states = []
+        for _ in range(30):  # mid-generation: the rows still hold their tokens
+            eng.step()
+            states.append([np.asarray(x) for x in jax.tree_util.tree_leaves(eng.state)])
+        runs.append(([eng.requests[i].output for i in ids], states,
+                     m.memory_stats(eng.state)))
+    assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
+    assert runs[0][2]["frac_low"] > 0 and runs[0][2] == runs[1][2]
+    for step_a, step_b in zip(runs[0][1], runs[1][1]):
+        for a, b in zip(step_a, step_b):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="decide_impl"):
+        dataclasses.replace(xla, decide_impl="pallas", write_impl="xla")
+
+
 def test_token_writes_kernel_is_the_default_only_on_the_gpu_kernel_path(tiny_model):
     from pallas_kernels import backend
 

@@ -34,7 +34,8 @@ def test_diffkv_decode_has_no_pool_copy(tiny_model):
     assert pool_copies(*tiny_model, "diffkv") == []
 
 
-@pytest.mark.parametrize("writes", ["xla", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("writes", ["xla", pytest.param("pallas", marks=pytest.mark.gpu),
+                                    pytest.param("pallas+decide", marks=pytest.mark.gpu)])
 def test_diffkv_kernel_decode_has_no_side_array_copy(tiny_model, writes):
     # The kernel path updates scores inside a kernel (aliased) and writes the
     # pool, metadata and positions by scatter or by the token-writes kernel
@@ -42,6 +43,8 @@ def test_diffkv_kernel_decode_has_no_side_array_copy(tiny_model, writes):
     # compiled on the GPU: in interpret mode its reads of the pool it writes run
     # as a loop of gathers and scatters, which XLA may copy around.
     cfg, params = tiny_model
+    decide = "pallas" if writes.endswith("+decide") else "xla"
+    writes = writes.split("+")[0]
     if writes == "pallas":  # the GPU kernels' K4V2 slices need head dim 64
         import dataclasses
 
@@ -52,7 +55,7 @@ def test_diffkv_kernel_decode_has_no_side_array_copy(tiny_model, writes):
         cfg = dataclasses.replace(cfg, head_dim=64)
         params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
     m = make_method("diffkv", cfg, max_seqs=4, max_context=128, attention_impl="pallas",
-                    write_impl=writes)
+                    write_impl=writes, decide_impl=decide)
     state = m.init_state(300)
     batch = DecodeBatch(jnp.zeros(4, jnp.int32), jnp.ones(4, bool), 4)
     text = CompiledSteps(cfg, m, jnp.float32).decode.lower(params, state, batch).compile().as_text()
