@@ -114,6 +114,12 @@ def breakdown(name, cfg, params, args):
     options = {"attention_impl": args.attention}
     if name == "diffkv":
         options.update(alpha_high=args.alpha_high, alpha_low=args.alpha_low)
+        for kv in filter(None, args.diffkv_options.split(";")):
+            k, _, v = kv.partition("=")
+            try:
+                options[k] = json.loads(v)
+            except json.JSONDecodeError:
+                options[k] = v
     method = make_method(name, cfg, max_seqs=B, max_context=C + budget, dtype=jnp.bfloat16,
                          **options)
     num_pages = B * (method.pages_for_tokens(C + budget) + method.num_layers
@@ -312,6 +318,8 @@ def main() -> int:
     p.add_argument("--only-step", action="store_true",
                    help="time (and trace) the real step only, no ablations")
     p.add_argument("--json", default=None)
+    p.add_argument("--diffkv-options", default="",
+                   help="more DiffKV options as key=value;key=value (e.g. decide_impl=pallas)")
     p.add_argument("--hlo-dir", default=None, help="write each method's optimized step HLO "
                    "here")
     args = p.parse_args()
