@@ -36,6 +36,7 @@ compaction and kernels are shared with DiffKV.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -164,9 +165,8 @@ class DiffKVCache(SlotAccounting):
         """Whether decode writes its tokens with the token-writes kernel."""
         if self.write_impl == "auto":
             from pallas_kernels import backend
-            quarter = self.head_dim // 4  # the kernel loads a head in quarters
             return (self.attention_impl == "pallas" and self.policy.low_tier
-                    and backend.on_gpu() and quarter & (quarter - 1) == 0)
+                    and backend.on_gpu() and tw.quarters_fit(self.head_dim))
         return self.write_impl == "pallas"
 
     @property
@@ -247,8 +247,8 @@ class DiffKVCache(SlotAccounting):
     def init_state(self, num_pages: int) -> DiffKVState:
         S, L, H, R = self.max_seqs, self.num_layers, self.num_kv_heads, self.row_len
         lay = self.layout
-        if self.addressable_pages(num_pages) != num_pages:
-            below = self.addressable_pages(num_pages)
+        below = self.addressable_pages(num_pages)
+        if below != num_pages:
             above = 2**32 // lay.data_bytes + 1
             raise ValueError(f"{num_pages} pages ({(num_pages + 1) * lay.data_bytes} bytes of "
                              "codes) fall where the GPU kernel's 32-bit offsets overflow "
@@ -678,19 +678,13 @@ class DiffKVCache(SlotAccounting):
             plen = jnp.broadcast_to(state.prompt_len[:S][:, None], cur_b.shape)
             d = pol.evict_decision(self.policy, vh, n_hi_tok, n_lo_tok, plen)
         rows = state.page_table[:S, layer]  # [S, H, R]
-        cap_h, cap_l = self.cap(HI), self.cap(LO)
         page_at = lambda col: jnp.take_along_axis(rows, col[..., None], axis=-1)[..., 0]  # noqa
+        src_page, src_slot, low_page, low_slot, new_page, new_slot = self.placements(
+            d, vh, act, page_at, skip)
         demote = None
         if self.policy.low_tier:
-            v_idx = jnp.maximum(vh, 0)
-            ls = jnp.maximum(d["low_slot"], 0)
-            demote = (page_at(v_idx // cap_h), v_idx % cap_h,
-                      jnp.where(act & (d["low_slot"] >= 0),
-                                page_at(self.row_len - 1 - ls // cap_l), skip),
-                      ls % cap_l, score_h, pos_h)
-        ns = d["new_slot"]
-        newcomer = (jnp.where(act, page_at(ns // cap_h), skip), ns % cap_h, k_new, v_new, p_new,
-                    cur_b)
+            demote = (src_page, src_slot, low_page, low_slot, score_h, pos_h)
+        newcomer = (new_page, new_slot, k_new, v_new, p_new, cur_b)
         if self.fused_writes:
             state = self._write_fused(state, demote, newcomer)
         else:
@@ -699,13 +693,25 @@ class DiffKVCache(SlotAccounting):
             act[..., None], jnp.stack([d["n_high"], d["n_low"]], -1), state.n_tok[:S, layer]))
         return state.replace(n_tok=n_tok)
 
+    def placements(self, d, vh, act, page_at, skip):
+        """Where a decode step's tokens go, from the decision ``d``
+        (:func:`diffkv_policy.decode_decision`), the high victim's slot ``vh`` and whether
+        the row decodes (``act``): ``(victim's high page, slot, its low page, slot,
+        newcomer's page, slot)``. ``page_at(col)`` reads the row's page-table entry
+        (high pages from the left, low from the right); ``skip`` is the page past the
+        pool that drops a write. Arrays of rows, or one row's scalars in a kernel."""
+        cap_h, cap_l = self.cap(HI), self.cap(LO)
+        v_idx, ls, ns = jnp.maximum(vh, 0), jnp.maximum(d["low_slot"], 0), d["new_slot"]
+        return (page_at(v_idx // cap_h), v_idx % cap_h,
+                jnp.where(act & (d["low_slot"] >= 0), page_at(self.row_len - 1 - ls // cap_l),
+                          skip), ls % cap_l,
+                jnp.where(act, page_at(ns // cap_h), skip), ns % cap_h)
+
     def decide_and_write(self, state: DiffKVState, layer, k_new, v_new, partial_victims,
                          p_new, active) -> DiffKVState:
         """:meth:`apply_decision` in one kernel launch from the policy kernel's partial
         victims (``score_victims(..., merge=False)``): the victims' merge, the
         decision, the page lookups and the writes (``decide_impl="pallas"``)."""
-        import functools
-
         S = self.max_seqs
         fmt = self._token_format
         data, k_meta, v_meta, scores, positions, n_tok = tw.decide_and_write(
@@ -713,8 +719,8 @@ class DiffKVCache(SlotAccounting):
             victims=partial_victims, n_tok=state.n_tok[:S, layer],
             rows=state.page_table[:S, layer], cur=state.seq_len[:S], active=active,
             k_new=k_new, v_new=v_new, p_new=p_new,
-            decide=functools.partial(pol.decode_decision, self.policy), high=fmt(HI),
-            low=fmt(LO))
+            decide=functools.partial(pol.decode_decision, self.policy),
+            place=self.placements, high=fmt(HI), low=fmt(LO))
         return state.replace(data=data, k_meta=k_meta, v_meta=v_meta, scores=scores,
                              positions=positions, n_tok=state.n_tok.at[:S, layer].set(n_tok))
 

@@ -170,6 +170,19 @@ class _Pool:
         self.put(self.pos_ref, page, jnp.full((1,), slot), one(pos).astype(jnp.int32))
 
 
+def quarters_fit(head_dim: int) -> bool:
+    """Whether the GPU kernels can load a head in quarters (``head_dim / 4`` a power of
+    two: the Triton lowering loads power-of-two vectors)."""
+    q = head_dim // 4
+    return q & (q - 1) == 0
+
+
+def _check_quarters(head_dim: int) -> None:
+    if not quarters_fit(head_dim):
+        raise ValueError(f"head_dim {head_dim}: the GPU kernel loads quarters of a head, "
+                         "which need head_dim / 4 to be a power of two")
+
+
 def _quarters(ref, head_dim: int):
     """A ``[D]`` row ref as its four quarters (loaded)."""
     q = head_dim // 4
@@ -213,10 +226,8 @@ def write_tokens(data, k_meta, v_meta, scores, positions, writes: Sequence[Token
     """
     if interpret is None:
         interpret = backend.default_interpret()
-    q = writes[0].fmt.head_dim // 4
-    if not interpret and q & (q - 1):
-        raise ValueError(f"head_dim {4 * q}: the GPU kernel loads quarters of a head, "
-                         "which need head_dim / 4 to be a power of two")
+    if not interpret:
+        _check_quarters(writes[0].fmt.head_dim)
     S, H = writes[0].page.shape
     args, in_specs, kinds = [], [], []
     row = lambda a: pl.BlockSpec((None, None, a.shape[2]), lambda s, h: (s, h, 0))  # noqa: E731
@@ -257,7 +268,7 @@ def _row_victim(vi_ref, vf_ref, t: int):
 
 
 def _decide_kernel(vi_ref, vf_ref, n_ref, rows_ref, info_ref, k_ref, v_ref, p_ref, *refs,
-                   decide, high: TokenFormat, low: TokenFormat, interpret: bool):
+                   decide, place, high: TokenFormat, low: TokenFormat, interpret: bool):
     pool, n_out_ref = _Pool(refs[5:10], interpret), refs[10]
     (vh, key_h, pos_h, score_h), (vl, key_l, pos_l, _) = (_row_victim(vi_ref, vf_ref, t)
                                                           for t in (0, 1))
@@ -265,29 +276,27 @@ def _decide_kernel(vi_ref, vf_ref, n_ref, rows_ref, info_ref, k_ref, v_ref, p_re
     d = decide(vh, key_h, pos_h, vl, key_l, pos_l, n_high, n_low, cur)
     R = rows_ref.shape[0]
     page_at = lambda col: rows_ref[jnp.clip(col, 0, R - 1)]  # noqa: E731
-    skip = jnp.int32(pool.P)  # past the pool: the write is dropped
+    src_page, src_slot, low_page, low_slot, new_page, new_slot = place(
+        d, vh, act, page_at, jnp.int32(pool.P))  # a page past the pool drops the write
     # The demoted victim first: it is read from its high slot, which the newcomer may take.
-    v_idx, ls = jnp.maximum(vh, 0), jnp.maximum(d["low_slot"], 0)
-    k_parts, v_parts = pool.read(high, page_at(v_idx // high.slots), v_idx % high.slots)
-    dst = jnp.where(act & (d["low_slot"] >= 0), page_at(R - 1 - ls // low.slots), skip)
-    pool.write(low, dst, ls % low.slots, k_parts, v_parts, score_h, pos_h)
-    ns = d["new_slot"]
-    pool.write(high, jnp.where(act, page_at(ns // high.slots), skip), ns % high.slots,
-               _quarters(k_ref, high.head_dim), _quarters(v_ref, high.head_dim), p_ref[...], cur)
+    k_parts, v_parts = pool.read(high, src_page, src_slot)
+    pool.write(low, low_page, low_slot, k_parts, v_parts, score_h, pos_h)
+    pool.write(high, new_page, new_slot, _quarters(k_ref, high.head_dim),
+               _quarters(v_ref, high.head_dim), p_ref[...], cur)
     lane = lax.broadcasted_iota(jnp.int32, (2,), 0)
     after = jnp.where(lane == 0, d["n_high"], d["n_low"]).astype(jnp.int32)
     n_out_ref[...] = jnp.where(act, after, n_ref[...])
 
 
 def decide_and_write(data, k_meta, v_meta, scores, positions, *, victims, n_tok, rows, cur,
-                     active, k_new, v_new, p_new, decide, high: TokenFormat, low: TokenFormat,
-                     interpret: bool | None = None):
+                     active, k_new, v_new, p_new, decide, place, high: TokenFormat,
+                     low: TokenFormat, interpret: bool | None = None):
     """One DiffKV decode step's decision and token writes per row, one launch per layer.
 
     Each row merges its victims from the policy kernel's partial ones, takes the
     decision (``decide``, e.g. ``functools.partial(diffkv_policy.decode_decision,
-    policy)``, on the row's scalars), looks its pages up in its page-table row, and
-    writes: the demoted victim re-quantized from its high slot into a low slot (or
+    policy)``, on the row's scalars), looks its pages up in its page-table row
+    (``place``: ``DiffKVCache.placements``, the XLA path's own), and writes: the demoted victim re-quantized from its high slot into a low slot (or
     nowhere), then the newcomer into its high slot, as :func:`write_tokens` with a
     :class:`MovedToken` and a :class:`NewToken`.
 
@@ -304,10 +313,8 @@ def decide_and_write(data, k_meta, v_meta, scores, positions, *, victims, n_tok,
     """
     if interpret is None:
         interpret = backend.default_interpret()
-    q = high.head_dim // 4
-    if not interpret and q & (q - 1):
-        raise ValueError(f"head_dim {4 * q}: the GPU kernel loads quarters of a head, "
-                         "which need head_dim / 4 to be a power of two")
+    if not interpret:
+        _check_quarters(high.head_dim)
     vi, vf = victims
     S, H = n_tok.shape[:2]
     info = jnp.stack([jnp.broadcast_to(cur[:, None], (S, H)),
@@ -320,7 +327,7 @@ def decide_and_write(data, k_meta, v_meta, scores, positions, *, victims, n_tok,
     pools = [data, k_meta, v_meta, scores, positions]
     whole = lambda a: pl.BlockSpec(a.shape, lambda s, h: (0,) * a.ndim)  # noqa: E731
     n_out = jax.ShapeDtypeStruct((S, H, 2), jnp.int32)
-    kernel = functools.partial(_decide_kernel, decide=decide, high=high, low=low,
+    kernel = functools.partial(_decide_kernel, decide=decide, place=place, high=high, low=low,
                                interpret=interpret)
     return tuple(pl.pallas_call(
         kernel, grid=(S, H), in_specs=[row(a) for a in args] + [whole(a) for a in pools],
