@@ -40,20 +40,25 @@ WORKLOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workloads",
                         "math500_prompt_tokens.json")
 
 
+def parse_options(text: str) -> dict:
+    """``alpha_high=1.5;low=off`` -> ``{"alpha_high": 1.5, "low": "off"}`` (JSON values,
+    else strings)."""
+    options = {}
+    for kv in filter(None, text.split(";")):
+        k, _, v = kv.partition("=")
+        try:
+            options[k] = json.loads(v)
+        except json.JSONDecodeError:
+            options[k] = v
+    return options
+
+
 def parse_methods(text: str):
     """``full,diffkv:alpha_high=1.5;low=off`` -> [(label, name, options)]."""
     out = []
     for item in text.split(","):
-        label = item
         name, _, opts = item.partition(":")
-        options = {}
-        for kv in filter(None, opts.split(";")):
-            k, _, v = kv.partition("=")
-            try:
-                options[k] = json.loads(v)
-            except json.JSONDecodeError:
-                options[k] = v
-        out.append((label, name, options))
+        out.append((item, name, parse_options(opts)))
     return out
 
 

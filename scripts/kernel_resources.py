@@ -92,11 +92,6 @@ def loop_bodies(sass: str) -> list[list[str]]:
     return loops
 
 
-def loop_instructions(sass: str) -> list[int]:
-    """Instructions in each loop of a SASS listing."""
-    return [len(body) for body in loop_bodies(sass)]
-
-
 def opcode_counts(body: list[str]) -> collections.Counter:
     """Opcodes (without modifiers or predicates) of a loop body, most common first."""
     ops = collections.Counter()

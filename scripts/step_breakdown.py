@@ -113,13 +113,10 @@ def breakdown(name, cfg, params, args):
     budget = (len(VARIANTS) + 2) * (3 * args.iters + 2) + 2 * (args.profile + 1) + 8
     options = {"attention_impl": args.attention}
     if name == "diffkv":
-        options.update(alpha_high=args.alpha_high, alpha_low=args.alpha_low)
-        for kv in filter(None, args.diffkv_options.split(";")):
-            k, _, v = kv.partition("=")
-            try:
-                options[k] = json.loads(v)
-            except json.JSONDecodeError:
-                options[k] = v
+        from scripts.bench_throughput import parse_options
+
+        options.update(alpha_high=args.alpha_high, alpha_low=args.alpha_low,
+                       **parse_options(args.diffkv_options))
     method = make_method(name, cfg, max_seqs=B, max_context=C + budget, dtype=jnp.bfloat16,
                          **options)
     num_pages = B * (method.pages_for_tokens(C + budget) + method.num_layers
@@ -161,10 +158,11 @@ def breakdown(name, cfg, params, args):
         row[v], row[f"{v}_blocking"] = tq * 1e3, t * 1e3
         print(f"  {name} {v}: {tq * 1e3:.2f} ms queued back to back, {t * 1e3:.2f} ms "
               "blocking on each call", flush=True)
-        if v == "step" and args.hlo_dir:  # the optimized HLO, to name the profile's fusions
+        hlo = fn.as_text() if v == "step" and args.hlo_dir else None
+        if hlo:  # the optimized HLO, to name the profile's fusions
             os.makedirs(args.hlo_dir, exist_ok=True)
             with open(os.path.join(args.hlo_dir, f"{name}_step.hlo.txt"), "w") as fh:
-                fh.write(fn.as_text())
+                fh.write(hlo)
         if v == "step" and args.profile:
             from scripts.device_profile import kernel_times, print_kernel_times
 
@@ -181,11 +179,11 @@ def breakdown(name, cfg, params, args):
             row["profile"] = dict(kernels=kt, busy_ms=busy, wall_ms=wall,
                                   launches=kernel_times.launches,
                                   idle_before=kernel_times.gaps[:40])
-            if args.hlo_dir:  # each traced kernel's lines of our code
+            if hlo:  # each traced kernel's lines of our code
                 from scripts.hlo_sources import kernel_sources
 
                 ours = ("diffkv_jax/", "pallas_kernels/", "models/")
-                src = kernel_sources(fn.as_text(), keep=lambda p: any(k in p for k in ours))
+                src = kernel_sources(hlo, keep=lambda p: any(k in p for k in ours))
                 row["profile"]["sources"] = {k[0]: src.get(k[0], []) for k in kt}
                 print(f"  {name}: the top kernels' source lines")
                 for k in kt[:args.top]:
