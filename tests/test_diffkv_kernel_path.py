@@ -71,8 +71,9 @@ def test_decision_in_the_write_kernel_gives_the_same_state(tiny_model, opts, com
         params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
     rng = np.random.default_rng(6)
     prompts = [list(rng.integers(0, cfg.vocab_size, size=n)) for n in (40, 70)]
-    xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=8, window=8,
-                      attention_impl="pallas", write_impl="pallas", **opts)
+    # (the compiled decode kernel needs pages of at least 16 tokens, its smallest dot tile)
+    xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16 if compiled else 8,
+                      window=8, attention_impl="pallas", write_impl="pallas", **opts)
     fused = dataclasses.replace(xla, decide_impl="pallas")
     runs = []
     for m in (xla, fused):
