@@ -163,7 +163,7 @@ def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: i
                                                               v_new, n_hi, n_lo, work)
     caps = [method.cap(HI), method.cap(LO)][:len(pages)]
     n_tok = method.scoring_rows(state, layer, active)[:len(pages)]
-    in_kernel = method.decide_impl == "pallas" and len(pages) == 2
+    in_kernel = method.decides_in_kernel and len(pages) == 2
     scores, victims = score_victims(logits, M, L, pages, n_tok, state.seq_len[:S],
                                     state.prompt_len[:S], state.scores, state.positions,
                                     caps=caps, group=G, rule=pol.victim_rule(method.policy),

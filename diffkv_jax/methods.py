@@ -61,7 +61,7 @@ def _diffkv_cache(cfg: ModelConfig, *, max_seqs: int, max_context: int, page_siz
                  else options.pop(k)) for k in ("high", "low") if k in options}
     impl = options.pop("attention_impl", "reference")
     writes = options.pop("write_impl", "auto")
-    decide = options.pop("decide_impl", "xla")
+    decide = options.pop("decide_impl", "auto")
     policy = DiffKVPolicy(**options)
     return DiffKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                        max_context=max_context, policy=policy,
@@ -176,8 +176,9 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     :class:`DiffKVPolicy`), ``high``, ``low`` (tiers such as
     "K8V4" or :class:`Tier`), ``attention_impl`` ("reference" or "pallas"),
     ``write_impl`` ("auto", "xla" or "pallas": how decode writes its tokens; "auto"
-    is the kernel on the GPU kernel path), ``decide_impl`` ("xla" or "pallas": the
-    decode decision as XLA ops or inside the token-writes launch).
+    is the kernel on the GPU kernel path), ``decide_impl`` ("auto", "xla" or "pallas":
+    the decode decision as XLA ops or inside the token-writes launch; "auto" is the
+    launch where the fused writes run compiled on a GPU).
     ``int8`` / ``k8v4``: the diffkv options except the ones that define them
     (``high``, ``low``, ``low_tier``, ``alpha_low``).
     ``h2o`` / ``streamingllm`` / ``snapkv`` (token eviction, every kept token K8V8):

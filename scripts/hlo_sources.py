@@ -57,11 +57,17 @@ def _stack(frame: int, files, locs, frames) -> list[str]:
     return out
 
 
+def trace_name(hlo_name: str) -> str:
+    """The name a profiler trace gives the kernel of HLO instruction ``hlo_name``
+    (``loop_add_fusion.63`` runs as ``loop_add_fusion_63``)."""
+    return hlo_name.replace(".", "_")
+
+
 def kernel_sources(text: str, keep=lambda path: True, top: int = 3) -> dict[str, list[str]]:
-    """For every instruction of the entry computation (the kernels a trace names):
-    the ``top`` most frequent source lines among the ops it contains (for a fusion,
-    the ops of its fused computation), each the innermost frame whose file passes
-    ``keep``."""
+    """For every instruction of the entry computation (the kernels a trace names),
+    keyed by its :func:`trace_name`: the ``top`` most frequent source lines among
+    the ops it contains (for a fusion, the ops of its fused computation), each the
+    innermost frame whose file passes ``keep``."""
     files, locs, frames = _tables(text)
     body = collections.defaultdict(list)  # computation -> [(calls, frame)]
     entry, comp = None, None
@@ -88,7 +94,8 @@ def kernel_sources(text: str, keep=lambda path: True, top: int = 3) -> dict[str,
         return got
 
     out = {}
-    for name, calls, frame in body.get(entry, []):
+    for hlo_name, calls, frame in body.get(entry, []):
+        name = trace_name(hlo_name)
         found = lines_of(calls) if calls else []
         if not found and frame is not None:
             found = [s for s in _stack(frame, files, locs, frames) if keep(s)][:1]

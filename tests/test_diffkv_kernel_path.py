@@ -73,7 +73,8 @@ def test_decision_in_the_write_kernel_gives_the_same_state(tiny_model, opts, com
     prompts = [list(rng.integers(0, cfg.vocab_size, size=n)) for n in (40, 70)]
     # (the compiled decode kernel needs pages of at least 16 tokens, its smallest dot tile)
     xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16 if compiled else 8,
-                      window=8, attention_impl="pallas", write_impl="pallas", **opts)
+                      window=8, attention_impl="pallas", write_impl="pallas", decide_impl="xla",
+                      **opts)
     fused = dataclasses.replace(xla, decide_impl="pallas")
     runs = []
     for m in (xla, fused):
@@ -100,6 +101,11 @@ def test_token_writes_kernel_is_the_default_only_on_the_gpu_kernel_path(tiny_mod
     cfg, _ = tiny_model
     kernels = make_method("diffkv", cfg, max_seqs=2, max_context=128, attention_impl="pallas")
     assert kernels.write_impl == "auto" and kernels.fused_writes == backend.on_gpu()
+    # (so does the decision inside the token-writes launch)
+    assert kernels.decide_impl == "auto" and kernels.decides_in_kernel == backend.on_gpu()
+    forced = make_method("diffkv", cfg, max_seqs=2, max_context=128, attention_impl="pallas",
+                         write_impl="pallas")
+    assert forced.fused_writes and forced.decides_in_kernel == backend.on_gpu()
     # (prefill's window-scores kernel follows the same rule)
     assert kernels.window_kernel == backend.on_gpu()
     assert not make_method("diffkv", cfg, max_seqs=2, max_context=128).window_kernel

@@ -25,5 +25,7 @@ def test_every_kernel_maps_to_the_lines_of_its_ops():
     assert len(sorts) == 1 and lines[sorts[0]] == {first + 2}
     assert {first + 1} in lines.values()
     assert any(first + 3 in v for n, v in lines.items() if n not in sorts)
+    # Keys are the names a trace gives the kernels: no dots.
+    assert not any("." in n for n in lines)
     # Lines outside the kept files are left out.
     assert kernel_sources(text, keep=lambda p: False) == {}
