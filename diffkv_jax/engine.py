@@ -288,6 +288,19 @@ def pages_to_serve(method, tokens: int) -> int:
     return method.pages_for_tokens(min(tokens, method.max_context)) + 2 * step
 
 
+def prefill_shape(lengths: Sequence[int]) -> tuple[int, int]:
+    """The ``(rows, tokens)`` bucket that a prefill of rows of ``lengths`` tokens
+    is padded to (powers of two, at least 16 tokens)."""
+    return next_pow2(len(lengths)), next_pow2(max(lengths), 16)
+
+
+def prefill_cost(lengths: Sequence[int], call_tokens: int) -> int:
+    """Work of one prefill call, in padded tokens: its bucket's rows x tokens plus
+    ``call_tokens``, the fixed cost of a call (the weights read once)."""
+    rows, tokens = prefill_shape(lengths)
+    return call_tokens + rows * tokens
+
+
 class Engine(Generator):
     """Serve many requests through ``method.max_seqs`` decode slots.
 
@@ -300,6 +313,10 @@ class Engine(Generator):
         None: :data:`memory_budget.DEFAULT_MEMORY_FRACTION` of what the device has
         free once the weights are on it.
       max_prefill_batch: prompts (or prompt chunks) prefilled together in one step.
+        A waiting prompt joins the step's prefill only if that costs no more
+        padded work (:func:`prefill_cost`) than prefilling it in a call of its own:
+        a short prompt does not ride in a long prompt's bucket, nor a third row
+        double the bucket's rows; it waits for the next step instead.
       admit_headroom_tokens: growth, in tokens per running request, kept free when
         admitting (fewer preemptions, a smaller batch); 0 admits while pages last.
       prefill_chunk: prefill long prompts this many tokens per step, between
@@ -329,6 +346,10 @@ class Engine(Generator):
 
     #: A results read shorter than this found the results ready (no real wait).
     READY_WAIT_S = 2e-4
+    #: The fixed cost of a prefill call in tokens of padded work, for grouping
+    #: prompts (:func:`prefill_cost`): an 8B model's weights take about as long to
+    #: read as 200 - 250 tokens take to prefill on an H200.
+    PREFILL_CALL_TOKENS = 256
 
     def __init__(self, cfg, params, method, num_pages: int | None = None, dtype=jnp.float32,
                  max_prefill_batch: int = 4, detokenizer=None,
@@ -365,6 +386,7 @@ class Engine(Generator):
         self.steps_run = 0
         # Throughput counters (compilation excluded) and the largest cache footprint seen.
         self.prefill_tokens = self.decode_tokens = 0
+        self.prefill_padded_tokens = 0  # rows x tokens of the prefill buckets run
         self.prefill_seconds = self.decode_seconds = 0.0
         self.wait_seconds = self.host_seconds = 0.0
         self.exposed_host_seconds = 0.0
@@ -609,10 +631,17 @@ class Engine(Generator):
         rows: list[tuple[Request, int]] = [
             (self.requests[rid], self.requests[rid].prefilled)
             for rid in self._chunking[: self.max_prefill_batch]]
+        chunk = self.prefill_chunk
+        lengths = [min(chunk or r.context_len, r.context_len - start) for r, start in rows]
         # A lower bound: the step in flight may still allocate (see free_pages).
         free = self.free_pages
         while self.waiting and free_slots and len(rows) < self.max_prefill_batch:
             req = self.requests[self.waiting[0]]
+            n_tok = min(chunk or req.context_len, req.context_len)
+            if lengths and (prefill_cost(lengths + [n_tok], self.PREFILL_CALL_TOKENS)
+                            > prefill_cost(lengths, self.PREFILL_CALL_TOKENS)
+                            + prefill_cost([n_tok], self.PREFILL_CALL_TOKENS)):
+                break  # cheaper in a call of its own, next step (first come, first served)
             need = self.method.pages_for_tokens(req.context_len)
             n = running + len(rows) + 1
             # Every row prefilled now counts the worst case for its first decode step
@@ -628,6 +657,7 @@ class Engine(Generator):
             req.prefilled = 0
             self.slots[req.slot] = req.id
             rows.append((req, 0))
+            lengths.append(n_tok)
             free -= need
         if rows:
             self._sampling_static = None
@@ -642,8 +672,7 @@ class Engine(Generator):
         chunk = self.prefill_chunk or max(r.context_len for r, _ in rows)
         pieces = [(r, start, min(chunk, r.context_len - start)) for r, start in rows]
         chunked = any(start > 0 or n < r.context_len for r, start, n in pieces)
-        B = next_pow2(len(pieces))
-        T = next_pow2(max(n for _, _, n in pieces), 16)
+        B, T = prefill_shape([n for _, _, n in pieces])
         toks = np.zeros((B, T), np.int32)
         lens, starts, totals = (np.zeros(B, np.int32) for _ in range(3))
         slots = np.full(B, S, np.int32)
@@ -671,6 +700,7 @@ class Engine(Generator):
             elif r.prefilled == r.context_len and r.id in self._chunking:
                 self._chunking.remove(r.id)
         self.prefill_tokens += int(lens.sum())
+        self.prefill_padded_tokens += B * T
         # First chunks allocate their whole prompt's pages (see begin_prefill).
         need = sum(self.method.pages_for_tokens(r.context_len)
                    for r, start, _ in pieces if start == 0)

@@ -138,6 +138,8 @@ def run_method(label, name, options, cfg, params, args, prompts):
         preemptions=sum(engine.requests[i].preemptions for i in ids),
         # Prompt tokens prefilled, recomputation after preemption included.
         prefill_tokens=engine.prefill_tokens,
+        # Rows x tokens of the prefill buckets run (padding included).
+        prefill_padded_tokens=engine.prefill_padded_tokens,
         prompt_tokens=sum(len(p) for p in prompts),
         prefill_steps=len(walls) - len(decode_walls),
         prefill_share=engine.prefill_seconds / max(sum(walls), 1e-9),
@@ -272,7 +274,8 @@ def main() -> int:
               f"{res['wait_share']:.1%}, device idle for the host at most "
               f"{res['exposed_host_share']:.1%}); {res['steps']} steps, {res['prefill_steps']} with "
               f"prefill ({res['prefill_share']:.1%} of the time), prefilled "
-              f"{res['prefill_tokens']} tokens for {res['prompt_tokens']} prompt tokens, "
+              f"{res['prefill_tokens']} tokens ({res['prefill_padded_tokens']} padded) for "
+              f"{res['prompt_tokens']} prompt tokens, "
               f"{res['preemptions']} preemptions; compile {res['compile_s']:.0f} s for "
               f"{res['executables']} executables", flush=True)
         if res["step_profile"]:

@@ -73,6 +73,22 @@ def test_continuous_batching_matches_alone(tiny_model):
     assert not bool(eng.state.alloc_failed)  # the reserve never fell short
 
 
+@pytest.mark.parametrize("call_tokens,padded", [(256, 4 * 64), (0, 1 * 64 + 2 * 16)])
+def test_prompts_share_a_prefill_only_where_it_pads_less(tiny_model, call_tokens, padded):
+    # A 60-token prompt pads to 64 tokens; two 5-token prompts in its call would pad
+    # to 64 each (and the three rows to four). Where a call's fixed cost is small
+    # the short prompts wait one step and share a 16-token bucket instead.
+    cfg, params = tiny_model
+    prompts = [list(range(1, 61)), [7, 8, 9, 10, 11], [12, 13, 14, 15, 16]]
+    sampling = [SamplingParams(max_new_tokens=3)] * 3
+    eng = make_engine(cfg, params)
+    eng.PREFILL_CALL_TOKENS = call_tokens
+    got = [r.output for r in eng.generate(prompts, sampling)]
+    assert eng.prefill_padded_tokens == padded
+    assert eng.prefill_tokens == 70
+    assert got == alone(cfg, params, prompts, sampling)
+
+
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prompts", "chunks-of-8"])
 def test_stress_preemption_cancellation_and_leaks(tiny_model, chunk):
     """300 requests arriving over time on a pool far too small to hold them all
