@@ -125,13 +125,36 @@ def breakdown(name, cfg, params, args):
     state = method.init_state(num_pages)
     rng = np.random.default_rng(args.seed)
     pb = args.prefill_batch
+    batches = [PrefillBatch(jnp.asarray(rng.integers(0, cfg.vocab_size, size=(pb, C)),
+                                        jnp.int32),
+                            jnp.full((pb,), C, jnp.int32),
+                            jnp.arange(s0, s0 + pb, dtype=jnp.int32)) for s0 in range(0, B, pb)]
+    # The last calls are traced (--profile: one warm call, then the traced ones).
+    n_trace = min(args.profile, len(batches) - 3) if args.profile else 0
+    box = [state]
+
+    def prefill_next():
+        box[0], logits = steps.prefill(params, box[0], batches.pop(0))
+        jax.block_until_ready(logits)
+
     t0 = time.perf_counter()
-    for s0 in range(0, B, pb):
-        toks = rng.integers(0, cfg.vocab_size, size=(pb, C)).astype(np.int32)
-        batch = PrefillBatch(jnp.asarray(toks), jnp.full((pb,), C, jnp.int32),
-                             jnp.arange(s0, s0 + pb, dtype=jnp.int32))
-        state, logits = steps.prefill(params, state, batch)
-    jax.block_until_ready(logits)
+    call_s = []
+    while len(batches) > (n_trace + 1 if n_trace > 0 else 0):
+        t1 = time.perf_counter()
+        prefill_next()
+        call_s.append(time.perf_counter() - t1)
+    prefill_call_ms = float(np.median(call_s[1:])) * 1e3 if len(call_s) > 1 else float("nan")
+    print(f"  {name} prefill: {prefill_call_ms:.1f} ms per call of {pb} x {C} tokens "
+          f"({pb * C / prefill_call_ms:.1f} k tokens/s; first call, compilation included: "
+          f"{call_s[0]:.1f} s)", flush=True)
+    prefill_profile = None
+    if n_trace > 0:
+        from scripts.device_profile import kernel_times, print_kernel_times
+
+        kt, busy, wall = kernel_times(prefill_next, n_trace)
+        print_kernel_times(f"  {name} prefill kernels", kt, busy, wall, top=args.top)
+        prefill_profile = dict(kernels=kt[:60], busy_ms=busy, wall_ms=wall)
+    state = box[0]
     prefill_s = time.perf_counter() - t0
     stats = method.memory_stats(state)
     width = decode_width(method, C + budget)  # the engine's decode bucket
@@ -139,6 +162,7 @@ def breakdown(name, cfg, params, args):
                          jnp.ones((B,), bool), width)
     smp = Generator._sampling_arrays([], B, steps=np.zeros(B, np.int32))
     row = dict(method=name, batch=B, context=C, prefill_s=prefill_s,
+               prefill_call_ms=prefill_call_ms, prefill_profile=prefill_profile,
                frac_high=stats.get("frac_high"), frac_low=stats.get("frac_low"),
                frac_pruned=stats.get("frac_pruned"),
                kv_ratio=(stats["page_bytes"] + stats["table_bytes"])
