@@ -804,13 +804,23 @@ class DiffKVCache(SlotAccounting):
             seq_len=state.seq_len.at[:S].add(batch.active.astype(jnp.int32)))
 
     # ---- lifecycle --------------------------------------------------------------------
-    def release(self, state: DiffKVState, slot_mask: jax.Array) -> DiffKVState:
-        """Return every page of the masked slots (``[S + 1]`` bool) to the free list."""
+    #: Swapping (:mod:`diffkv_jax.row_swap`): the pool arrays indexed by page ID
+    #: and the slot arrays a slot's cache is restored from.
+    swap_pool_fields = ("data", "k_meta", "v_meta", "scores", "positions")
+    swap_row_fields = ("n_tok", "n_pages", "seq_len", "prompt_len")
+
+    def owned_columns(self, state: DiffKVState) -> jax.Array:
+        """``[S + 1, L, KVH, R]`` bool: the page-table columns holding a slot's pages
+        (high pages from the left, low pages from the right)."""
         R = self.row_len
         j = jnp.arange(R)
         np_ = state.n_pages
-        owned = (j < np_[..., HI:HI + 1]) | (j >= R - np_[..., LO:LO + 1])
-        owned = owned & slot_mask[:, None, None, None]
+        return (j < np_[..., HI:HI + 1]) | (j >= R - np_[..., LO:LO + 1])
+
+    def release(self, state: DiffKVState, slot_mask: jax.Array) -> DiffKVState:
+        """Return every page of the masked slots (``[S + 1]`` bool) to the free list."""
+        R = self.row_len
+        owned = self.owned_columns(state) & slot_mask[:, None, None, None]
         ids = jnp.where(owned, state.page_table, -1)
         free = fl.release(state.free, ids.reshape(-1, R))
         m4 = slot_mask[:, None, None, None]

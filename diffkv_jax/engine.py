@@ -16,10 +16,14 @@ is full, so only regions within a few tokens of a page boundary can):
 * before a decode step the pool must hold what the steps not yet read back
   and this one can allocate: the bound for rows the last read result covers,
   the worst case (every layer and head gaining a page per tier) for rows
-  admitted since. If it cannot, the most recently admitted request is
-  preempted: its pages are freed and it goes back to the front of the queue,
+  admitted since. If it cannot, the host first reads every result in flight
+  (the exact free count: most shortages are only the bound's), and if it still
+  cannot, the most recently admitted request is preempted: its pages are freed and it goes back to the front of the queue,
   to be recomputed from its prompt plus the tokens it has produced (its
-  output so far is kept).
+  output so far is kept). With ``preemption="swap"`` its pages are copied to
+  host memory first (:mod:`diffkv_jax.row_swap`) and put back into fresh
+  pages when it is admitted again, so it resumes exactly where it stopped,
+  without a prefill.
 
 Bad requests (empty prompt, prompt over the context, invalid sampling values,
 stop strings on an engine without a detokenizer) are refused by
@@ -43,15 +47,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import time
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from diffkv_jax import memory_budget
+from diffkv_jax import memory_budget, row_swap
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams,
                                    decode_width, next_pow2, page_width,
@@ -205,6 +210,10 @@ class Request:
     in_flight: int = 0
     epoch: int = 0
     prefilled: int = 0  # context tokens in the cache (chunked prefill's progress)
+    # Its cache in host memory while it waits, preempted by swapping
+    # (:class:`row_swap.SwappedRow`), and the pages that cache holds.
+    swapped: Any = dataclasses.field(default=None, repr=False, compare=False)
+    swapped_pages: int = 0
     # Text of ``output`` (None when the engine has no detokenizer); fed every step
     # for requests with stop strings, on demand for the others.
     text_tracker: TextTracker | None = dataclasses.field(default=None, repr=False,
@@ -319,6 +328,12 @@ class Engine(Generator):
         double the bucket's rows; it waits for the next step instead.
       admit_headroom_tokens: growth, in tokens per running request, kept free when
         admitting (fewer preemptions, a smaller batch); 0 admits while pages last.
+      preemption: "recompute" (a preempted request is prefilled again from its
+        prompt and output) or "swap" (its pages wait in host memory and come back
+        as they were; methods with ``swap_pool_fields``: the uncompressed, FP8 and
+        DiffKV caches and the token-eviction baselines).
+      swap_bytes: host memory the swapped caches may take together; a preemption
+        that would exceed it recomputes instead.
       prefill_chunk: prefill long prompts this many tokens per step, between
         decode steps, so running requests keep generating while a long prompt
         arrives (methods with ``supports_chunked_prefill``: the uncompressed, FP8
@@ -354,7 +369,8 @@ class Engine(Generator):
     def __init__(self, cfg, params, method, num_pages: int | None = None, dtype=jnp.float32,
                  max_prefill_batch: int = 4, detokenizer=None,
                  admit_headroom_tokens: int = 0, prefill_chunk: int | None = None,
-                 memory_bytes: int | None = None):
+                 memory_bytes: int | None = None, preemption: str = "recompute",
+                 swap_bytes: int = 16 * 2**30):
         if num_pages is None:
             if memory_bytes is None:
                 memory_bytes = memory_budget.default_memory_bytes()
@@ -372,6 +388,17 @@ class Engine(Generator):
         self.prefill_chunk = prefill_chunk
         self._chunking: list[int] = []  # request ids mid-prefill, oldest first
         self._pick = jax.jit(lambda x, i: x[i])
+        if preemption not in ("recompute", "swap"):
+            raise ValueError(f"preemption must be 'recompute' or 'swap', got {preemption!r}")
+        if preemption == "swap" and not row_swap.supports_swap(method):
+            raise ValueError(f"{type(method).__name__} cannot swap a slot's cache out; "
+                             "use preemption='recompute'")
+        self.preemption, self.swap_bytes = preemption, swap_bytes
+        self._swap_fns: dict = {}
+        self.swapped_bytes = 0  # host bytes the waiting swapped caches hold now
+        self.swap_outs = self.swap_ins = 0
+        self.preemption_syncs = 0  # steps that read every result before preempting
+        self.swap_moved_bytes = 0  # copied out and back, in total
         # Pages kept free per running row at admission, so that requests admitted
         # now can grow for ``admit_headroom_tokens`` before anyone is preempted.
         self.admit_headroom_tokens = admit_headroom_tokens
@@ -455,6 +482,7 @@ class Engine(Generator):
         req = self.requests[rid]
         if req.status == "waiting":
             self.waiting.remove(rid)
+            self._drop_swapped(req)
         elif req.status == "running":
             self._free_slots([req.slot])
         if req.status in ("waiting", "running"):
@@ -531,7 +559,7 @@ class Engine(Generator):
         new: dict[int, list[int]] = collections.defaultdict(list)
         unread = len(self._pending)
         prefilled = self._admit()
-        self._preempt_if_needed()
+        self._preempt_if_needed(new)
         self._dispatch_decode()
         queued = time.perf_counter()
         wait = self._collect([d for d in self._pending[:unread] if not d.read], new)
@@ -637,6 +665,16 @@ class Engine(Generator):
         free = self.free_pages
         while self.waiting and free_slots and len(rows) < self.max_prefill_batch:
             req = self.requests[self.waiting[0]]
+            if req.swapped is not None:  # its cache comes back from host memory
+                n = running + len(rows) + 1
+                if free - req.swapped_pages < (self._step_reserve(n, len(rows) + 1)
+                                               + n * self._headroom_per_row):
+                    break
+                self.waiting.popleft()
+                free -= req.swapped_pages
+                self._swap_in(req, free_slots.pop(0))
+                running += 1
+                continue
             n_tok = min(chunk or req.context_len, req.context_len)
             if lengths and (prefill_cost(lengths + [n_tok], self.PREFILL_CALL_TOKENS)
                             > prefill_cost(lengths, self.PREFILL_CALL_TOKENS)
@@ -734,14 +772,97 @@ class Engine(Generator):
                            growth=("admit", len(done)), tokens=first,
                            rows=[(j, r.id, r.epoch) for j, (_, r) in enumerate(done)])
 
-    def _preempt_if_needed(self) -> None:
-        rows = self._decodable()
-        rows = list(rows[np.argsort(self._order[rows])])
+    def _preempt_if_needed(self, new) -> None:
+        def by_priority():
+            rows = self._decodable()
+            return list(rows[np.argsort(self._order[rows])])
+
+        rows = by_priority()
+        synced = False
         while rows and self.free_pages < self._step_reserve(len(rows)):
+            if not synced:
+                # The free count is a lower bound while results are unread (the steps
+                # in flight count their most growth, releases nothing): read them all
+                # first. Most shortages vanish with it (requests finished, growth
+                # smaller than its bound), and a preemption, costlier than the wait,
+                # happens only for a real one. (A swapped row also needs every token
+                # sampled so far on the host: it resumes from its cache.)
+                self.wait_seconds += self._collect([d for d in self._pending if not d.read],
+                                                   new)
+                for d in list(self._pending):
+                    self._read_dispatch(d)
+                synced, rows = True, by_priority()
+                self.preemption_syncs += 1
+                continue
             victim = self.requests[int(self._rid[rows.pop()])]
             victim.preemptions += 1
+            if self.preemption == "swap" and self._swap_out(victim):
+                continue
             # Preemption is rare: wait for the release to learn the exact free count.
             self._read_dispatch(self._free_slots([victim.slot], requeue=True))
+
+    def _swap_fn(self, kind: str, max_pages: int):
+        key = (kind, max_pages)
+        if key not in self._swap_fns:
+            if kind == "out":
+                fn = jax.jit(functools.partial(row_swap.export_row, self.method,
+                                               max_pages=max_pages))
+            else:
+                fn = jax.jit(functools.partial(row_swap.import_row, self.method),
+                             donate_argnums=(0,))
+            self._swap_fns[key] = fn
+        return self._swap_fns[key]
+
+    def _swap_out(self, victim: Request) -> bool:
+        """Copy the victim's cache to host memory and free its slot; False (nothing
+        done) where the copy would not fit ``swap_bytes``."""
+        bound = self.method.pages_for_tokens(victim.context_len + 1)  # >= the pages it owns
+        n = min(next_pow2(bound), row_swap.max_row_pages(self.method))
+        slot = jnp.asarray(victim.slot, jnp.int32)
+        row = self._run("swap_out", n, self._swap_fn("out", n), self.state, slot)
+        t0 = time.perf_counter()
+        host = jax.device_get(row)
+        self.wait_seconds += time.perf_counter() - t0
+        size = host.nbytes
+        if int(host.count) > n or self.swapped_bytes + size > self.swap_bytes:
+            return False
+        victim.swapped, victim.swapped_pages = host, int(host.count)
+        self.swapped_bytes += size
+        self.swap_outs += 1
+        self.swap_moved_bytes += size
+        self._read_dispatch(self._free_slots([victim.slot], requeue=True))
+        return True
+
+    def _swap_in(self, req: Request, slot: int) -> None:
+        """Put a swapped request's cache into ``slot``; it decodes from the next step."""
+        host, need = req.swapped, req.swapped_pages
+        self._drop_swapped(req)
+        n = next(iter(host.pages.values())).shape[0]
+        self.state = self._run("swap_in", n, self._swap_fn("in", n), self.state,
+                               jnp.asarray(slot, jnp.int32), host)
+        self.swap_ins += 1
+        self.swap_moved_bytes += host.nbytes
+        req.slot, req.status = slot, "running"
+        req.epoch += 1
+        req.in_flight = 0
+        req.prefilled = req.context_len
+        self.slots[slot] = req.id
+        self._gen[slot] = len(req.output)  # the next step samples token len(output)
+        self._limit[slot] = min(req.sampling.max_new_tokens,
+                                self.method.max_context - len(req.prompt))
+        self._plen[slot], self._rid[slot], self._epoch[slot] = len(req.prompt), req.id, req.epoch
+        self._order[slot], self._live[slot] = req.id, True
+        self._last = self._run("set_last", 1, self._set_last, self._last,
+                               jnp.asarray([slot], jnp.int32),
+                               jnp.asarray([req.output[-1]], jnp.int32))
+        self._sampling_static = None
+        self._new_dispatch(self._run("count", None, self._pool_counts, self.state), need,
+                           growth=("admit", 1))
+
+    def _drop_swapped(self, req: Request) -> None:
+        if req.swapped is not None:
+            self.swapped_bytes -= req.swapped.nbytes
+            req.swapped, req.swapped_pages = None, 0
 
     def _dispatch_decode(self) -> None:
         S = self.method.max_seqs

@@ -67,10 +67,18 @@ class SlotPages(SlotAccounting):
     ``num_pages`` columns), ``lengths [S + 1]`` and a free list; ``_stats(lengths,
     num_pages)`` turns host copies into bytes."""
 
+    #: Swapping (:mod:`diffkv_jax.row_swap`): the pool arrays indexed by page ID and
+    #: the slot arrays a slot's cache is restored from (None: no swapping).
+    swap_pool_fields = None
+    swap_row_fields = ("num_pages", "lengths")
+
+    def owned_columns(self, state) -> jax.Array:
+        """``[S + 1, L, KVH, R]`` bool: the page-table columns holding a slot's pages."""
+        return jnp.arange(self.row_len) < state.num_pages[..., None]
+
     def release(self, state, slot_mask: jax.Array):
         """Return every page of the masked slots (``[S + 1]`` bool) to the free list."""
-        j = jnp.arange(self.row_len)
-        owned = slot_mask[:, None, None, None] & (j < state.num_pages[..., None])
+        owned = slot_mask[:, None, None, None] & self.owned_columns(state)
         ids = jnp.where(owned, state.page_table, -1)
         free = fl.release(state.free, ids.reshape(-1, self.row_len))
         table = jnp.where(slot_mask[:, None, None, None], self.trash_page(state), state.page_table)
@@ -117,6 +125,7 @@ class FullCache(SlotPages):
     attention_impl: str = "reference"
 
     name = "full"
+    swap_pool_fields = ("k_pages", "v_pages")
 
     def __post_init__(self):
         if self.attention_impl not in ("reference", "pallas"):

@@ -87,7 +87,8 @@ def run_method(label, name, options, cfg, params, args, prompts):
     chunk = args.prefill_chunk if getattr(method, "supports_chunked_prefill", False) else None
     engine = Engine(cfg, params, method, num_pages, dtype=dtype,
                     max_prefill_batch=args.prefill_batch,
-                    admit_headroom_tokens=args.admit_headroom, prefill_chunk=chunk)
+                    admit_headroom_tokens=args.admit_headroom, prefill_chunk=chunk,
+                    preemption=args.preemption)
     sampling = SamplingParams(max_new_tokens=args.output_len, stop_token_ids=())
     submitted = time.perf_counter()
     ids = [engine.add_request(p, sampling) for p in prompts]
@@ -136,6 +137,11 @@ def run_method(label, name, options, cfg, params, args, prompts):
         mean_batch=sum(b for _, b in batch_trace) / max(1, len(batch_trace)),
         max_batch=max((b for _, b in batch_trace), default=0),
         preemptions=sum(engine.requests[i].preemptions for i in ids),
+        # Steps that read every result in flight before preempting (the exact free
+        # count), and the caches swapped out / in (--preemption swap).
+        preemption_syncs=engine.preemption_syncs,
+        swap_outs=engine.swap_outs, swap_ins=engine.swap_ins,
+        swap_moved_gb=engine.swap_moved_bytes / 2**30,
         # Prompt tokens prefilled, recomputation after preemption included.
         prefill_tokens=engine.prefill_tokens,
         # Rows x tokens of the prefill buckets run (padding included).
@@ -225,6 +231,9 @@ def main() -> int:
     p.add_argument("--prefill-batch", type=int, default=8)
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="prefill prompts in chunks of this many tokens (methods that can)")
+    p.add_argument("--preemption", default="recompute", choices=("recompute", "swap"),
+                   help="what a preempted request's cache becomes: recomputed later, or "
+                        "swapped to host memory and back (Engine(preemption=...))")
     p.add_argument("--admit-headroom", type=int, default=0,
                    help="tokens of growth per running request kept free at admission")
     p.add_argument("--time-limit", type=float, default=600.0,
@@ -276,7 +285,9 @@ def main() -> int:
               f"prefill ({res['prefill_share']:.1%} of the time), prefilled "
               f"{res['prefill_tokens']} tokens ({res['prefill_padded_tokens']} padded) for "
               f"{res['prompt_tokens']} prompt tokens, "
-              f"{res['preemptions']} preemptions; compile {res['compile_s']:.0f} s for "
+              f"{res['preemptions']} preemptions ({res['swap_outs']} swapped out, "
+              f"{res['swap_moved_gb']:.1f} GiB moved; {res['preemption_syncs']} steps read "
+              f"everything before preempting); compile {res['compile_s']:.0f} s for "
               f"{res['executables']} executables", flush=True)
         if res["step_profile"]:
             prof = res["step_profile"]

@@ -16,11 +16,12 @@ def worst_step_pages(method, rows: int) -> int:
 
 
 def make_engine(cfg, params, kind="full", max_seqs=4, max_context=96, pages=None,
-                prefill_chunk=None, **opts):
+                prefill_chunk=None, preemption="recompute", **opts):
     method = make_method(kind, cfg, max_seqs=max_seqs, max_context=max_context,
                          page_size=4 if kind == "full" else 8, **opts)
     pages = pages or max_seqs * method.pages_for_tokens(max_context)
-    return Engine(cfg, params, method, num_pages=pages, prefill_chunk=prefill_chunk)
+    return Engine(cfg, params, method, num_pages=pages, prefill_chunk=prefill_chunk,
+                  preemption=preemption)
 
 
 def alone(cfg, params, prompts, sampling, **kw):
@@ -142,6 +143,19 @@ def test_bad_requests_are_refused_and_serving_continues(tiny_model):
     assert eng.requests[ok].status == "finished" and len(eng.requests[ok].output) == 4
 
 
+DIFFKV_STRESS = dict(kind="diffkv", max_context=64, window=4, alpha_high=1.0, alpha_low=0.5)
+
+
+def diffkv_stress(cfg, params, rng, **kw):
+    """The DiffKV stress workload: short prompts, long outputs (a compressed pool
+    really runs short only once rows grow), on a pool of 1.5 longest requests."""
+    prompts, sampling = workload(cfg, 300, rng, max_prompt=20, max_new=40)
+    probe = make_engine(cfg, params, **kw)
+    small = (int(probe.method.pages_for_tokens(60) * 1.5)
+             + 2 * worst_step_pages(probe.method, 1))
+    return prompts, sampling, make_engine(cfg, params, pages=small, **kw)
+
+
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prompts", "chunks-of-8"])
 def test_stress_diffkv_requests_never_preempted_match_alone(tiny_model, chunk):
     """The stress workload on the compressed cache: a request that was never
@@ -151,12 +165,8 @@ def test_stress_diffkv_requests_never_preempted_match_alone(tiny_model, chunk):
     mid-chunk)."""
     cfg, params = tiny_model
     rng = np.random.default_rng(4)
-    prompts, sampling = workload(cfg, 300, rng, max_prompt=40, max_new=16)
-    kw = dict(kind="diffkv", max_context=64, window=4, alpha_high=1.0, alpha_low=0.5,
-              prefill_chunk=chunk)
-    probe = make_engine(cfg, params, **kw)
-    small = probe.method.pages_for_tokens(56) * 2 + worst_step_pages(probe.method, 4)
-    eng = make_engine(cfg, params, pages=small, **kw)
+    kw = dict(DIFFKV_STRESS, prefill_chunk=chunk)
+    prompts, sampling, eng = diffkv_stress(cfg, params, rng, **kw)
     reqs = serve_arrivals(eng, prompts, sampling, rng)
     stats = [r.kv_stats for r in reqs if r.status == "finished"]
     assert any(s["frac_low"] > 0 for s in stats), "thresholds were meant to demote tokens"
@@ -166,6 +176,46 @@ def test_stress_diffkv_requests_never_preempted_match_alone(tiny_model, chunk):
     assert eng.num_compiled <= (24 if chunk is None else 32)
     if chunk:
         assert any(name == "prefill" and key[2] > 0 for name, key in eng._executables)
+
+
+@pytest.mark.parametrize("kind", ["full", "diffkv"])
+def test_swapped_requests_resume_exactly(tiny_model, kind):
+    """Preemption by swapping: the stress workload on a tiny pool, where a
+    preempted request's pages wait in host memory and come back as they were.
+    Every finished request, swapped or not, produces what it produces alone with
+    the same cache method (for DiffKV too: nothing is recomputed, so no decision
+    is taken twice), nothing leaks and the host copies are all given back."""
+    cfg, params = tiny_model
+    if kind == "full":
+        rng = np.random.default_rng(7)
+        prompts, sampling = workload(cfg, 120, rng, max_prompt=40, max_new=16)
+        kw = dict(kind=kind)
+        probe = make_engine(cfg, params, **kw)
+        small = probe.method.pages_for_tokens(56) * 2 + worst_step_pages(probe.method, 4)
+        eng = make_engine(cfg, params, pages=small, preemption="swap", **kw)
+    else:
+        rng = np.random.default_rng(4)
+        kw = DIFFKV_STRESS
+        prompts, sampling, eng = diffkv_stress(cfg, params, rng, preemption="swap", **kw)
+    reqs = serve_arrivals(eng, prompts, sampling, rng)
+    assert eng.swap_outs > 0 and eng.swap_ins <= eng.swap_outs
+    assert eng.swapped_bytes == 0 and all(r.swapped is None for r in reqs)
+    swapped = [r for r in reqs if r.preemptions and r.status == "finished"]
+    check = [r for r in reqs if r.status == "finished" and not r.preemptions][:15] + swapped[:25]
+    assert swapped, "the pool was meant to swap finished requests out"
+    ref = alone(cfg, params, [r.prompt for r in check], [r.sampling for r in check], **kw)
+    assert [r.output for r in check] == ref
+    assert eng.prefill_tokens == sum(len(r.prompt) for r in reqs if r.prefilled)
+    if kind == "diffkv":
+        assert any(r.kv_stats["frac_low"] > 0 for r in swapped)
+
+
+def test_swap_needs_a_method_that_can_swap(tiny_model):
+    cfg, params = tiny_model
+    with pytest.raises(ValueError, match="preemption"):
+        make_engine(cfg, params, preemption="disk")
+    with pytest.raises(ValueError, match="recompute"):
+        make_engine(cfg, params, kind="kivi4", preemption="swap")
 
 
 def test_exposed_host_time_counts_only_steps_that_found_results_ready(tiny_model):
