@@ -18,9 +18,9 @@ is full, so only regions within a few tokens of a page boundary can):
   the worst case (every layer and head gaining a page per tier) for rows
   admitted since. If it cannot, the host first reads every result in flight
   (the exact free count: most shortages are only the bound's), and if it still
-  cannot, the most recently admitted request is preempted: its pages are freed and it goes back to the front of the queue,
-  to be recomputed from its prompt plus the tokens it has produced (its
-  output so far is kept). With ``preemption="swap"`` its pages are copied to
+  cannot, the most recently admitted request is preempted: its pages are
+  freed and it goes back to the front of the queue, to be recomputed from its
+  prompt plus the tokens it has produced (its output so far is kept). With ``preemption="swap"`` its pages are copied to
   host memory first (:mod:`diffkv_jax.row_swap`) and put back into fresh
   pages when it is admitted again, so it resumes exactly where it stopped,
   without a prefill.
