@@ -365,6 +365,9 @@ class Engine(Generator):
     #: prompts (:func:`prefill_cost`): an 8B model's weights take about as long to
     #: read as 200 - 250 tokens take to prefill on an H200.
     PREFILL_CALL_TOKENS = 256
+    #: Read every result in flight before preempting (the exact free count); False
+    #: preempts on the bound alone, as measured in scripts/bench_preemption.py.
+    READ_BEFORE_PREEMPTING = True
 
     def __init__(self, cfg, params, method, num_pages: int | None = None, dtype=jnp.float32,
                  max_prefill_batch: int = 4, detokenizer=None,
@@ -778,7 +781,8 @@ class Engine(Generator):
             return list(rows[np.argsort(self._order[rows])])
 
         rows = by_priority()
-        synced = False
+        # (a swapped row needs every token on the host, so swapping always reads)
+        synced = not (self.READ_BEFORE_PREEMPTING or self.preemption == "swap")
         while rows and self.free_pages < self._step_reserve(len(rows)):
             if not synced:
                 # The free count is a lower bound while results are unread (the steps
