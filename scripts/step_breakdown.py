@@ -167,6 +167,8 @@ def breakdown(name, cfg, params, args):
                frac_pruned=stats.get("frac_pruned"),
                kv_ratio=(stats["page_bytes"] + stats["table_bytes"])
                / stats["bytes_16bit_same_tokens"])
+    if args.prefill_only:
+        return row
     # DiffKV without its kernel is no ablation: zero probabilities change every
     # decision of the policy. Its split comes from the kernel trace (--profile).
     variants = VARIANTS if name == "full" else ("step", "model-only")
@@ -337,6 +339,8 @@ def main() -> int:
     p.add_argument("--profile", type=int, default=0, help="trace this many real steps and "
                    "list the kernels they spend their time in")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--prefill-only", action="store_true",
+                   help="time (and with --profile trace) the prefill calls only")
     p.add_argument("--only-step", action="store_true",
                    help="time (and trace) the real step only, no ablations")
     p.add_argument("--json", default=None)
@@ -372,6 +376,10 @@ def main() -> int:
           f"{'compaction':>11s} "
           f"{'model':>8s} {'KV/16bit':>9s} {'tiers h/l/p':>14s}")
     for r in rows:
+        if args.prefill_only:
+            print(f"{r['method']:8s} prefill {r['prefill_call_ms']:.1f} ms per call of "
+                  f"{args.prefill_batch} x {args.context} tokens")
+            continue
         tiers = ("-" if r["frac_high"] is None else
                  f"{r['frac_high']:.0%}/{r['frac_low']:.0%}/{r['frac_pruned']:.0%}")
         print(f"{r['method']:8s} {r['step_blocking']:8.2f} {r['step']:7.2f} "
