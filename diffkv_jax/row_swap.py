@@ -59,7 +59,8 @@ def export_row(method, state, slot: jax.Array, max_pages: int) -> SwappedRow:
     owned = method.owned_columns(state)[slot].reshape(-1)
     count = owned.sum(dtype=jnp.int32)
     # Owned columns first, in row-major order (stable), as import_row finds them.
-    cols = jnp.argsort(~owned, stable=True)[:max_pages]
+    cols = jnp.argsort(~owned, stable=True)
+    cols = jnp.pad(cols, (0, max(0, max_pages - cols.shape[0])))[:max_pages]
     ids = state.page_table[slot].reshape(-1)[cols]
     ids = jnp.where(jnp.arange(max_pages) < count, ids, method.trash_page(state))
     pages = {f: getattr(state, f)[ids] for f in method.swap_pool_fields}
