@@ -20,10 +20,10 @@ is full, so only regions within a few tokens of a page boundary can):
   (the exact free count: most shortages are only the bound's), and if it still
   cannot, the most recently admitted request is preempted: its pages are
   freed and it goes back to the front of the queue, to be recomputed from its
-  prompt plus the tokens it has produced (its output so far is kept). With ``preemption="swap"`` its pages are copied to
-  host memory first (:mod:`diffkv_jax.row_swap`) and put back into fresh
-  pages when it is admitted again, so it resumes exactly where it stopped,
-  without a prefill.
+  prompt plus the tokens it has produced (its output so far is kept). With
+  ``preemption="swap"`` its pages are copied to host memory first
+  (:mod:`diffkv_jax.row_swap`) and put back into fresh pages when it is
+  admitted again, so it resumes exactly where it stopped, without a prefill.
 
 Bad requests (empty prompt, prompt over the context, invalid sampling values,
 stop strings on an engine without a detokenizer) are refused by
