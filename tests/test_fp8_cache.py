@@ -275,6 +275,9 @@ def test_engine_serves_and_returns_every_page(tiny_model, scales):
     # Room for about one and a half requests: they queue and some are preempted.
     # Prompt lengths in one bucket keep compilation short.
     eng = Engine(cfg, params, m, num_pages=m.pages_for_tokens(48) * 3 // 2)
+    # Preempt on the free-page bound (not the exact count the engine reads first),
+    # so that this small workload preempts.
+    eng.READ_BEFORE_PREEMPTING = False
     prompts = [list(rng.integers(0, cfg.vocab_size, size=rng.integers(17, 30))) for _ in range(6)]
     sampling = [SamplingParams(max_new_tokens=int(rng.integers(8, 16))) for _ in range(6)]
     reqs = eng.generate(prompts, sampling)

@@ -198,6 +198,9 @@ def test_stop_strings_survive_preemption(tiny_model):
     probe = make_engine(cfg, params, max_seqs=4)
     small = probe.method.pages_for_tokens(48) * 2 + worst_step_pages(probe.method, 4)
     eng = make_engine(cfg, params, ToyDetok(), max_seqs=4, pages=small)
+    # Preempt on the free-page bound (not the exact count the engine reads first),
+    # so that this small workload preempts.
+    eng.READ_BEFORE_PREEMPTING = False
     reqs = eng.generate(prompts, sampling)
     assert any(r.preemptions for r in reqs), "the pool was meant to force preemption"
     assert any(r.stop_string for r in reqs) and any(r.finish_reason == "length" for r in reqs)
