@@ -89,6 +89,7 @@ def run_method(label, name, options, cfg, params, args, prompts):
                     max_prefill_batch=args.prefill_batch,
                     admit_headroom_tokens=args.admit_headroom, prefill_chunk=chunk,
                     preemption=args.preemption)
+    engine.READ_BEFORE_PREEMPTING = not args.preempt_on_bound
     sampling = SamplingParams(max_new_tokens=args.output_len, stop_token_ids=())
     submitted = time.perf_counter()
     ids = [engine.add_request(p, sampling) for p in prompts]
@@ -234,6 +235,9 @@ def main() -> int:
     p.add_argument("--preemption", default="recompute", choices=("recompute", "swap"),
                    help="what a preempted request's cache becomes: recomputed later, or "
                         "swapped to host memory and back (Engine(preemption=...))")
+    p.add_argument("--preempt-on-bound", action="store_true",
+                   help="preempt on the free-page bound alone, without reading the results "
+                        "in flight first (Engine.READ_BEFORE_PREEMPTING = False)")
     p.add_argument("--admit-headroom", type=int, default=0,
                    help="tokens of growth per running request kept free at admission")
     p.add_argument("--time-limit", type=float, default=600.0,
