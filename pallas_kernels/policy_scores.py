@@ -234,18 +234,21 @@ def merge_victims(vi, vf, n_tiers: int):
     merge=False)``): ``vi [S, H, K, >= 3 n]`` ints (slot, tie, pos per tier), ``vf [S, H,
     K, >= 2 n]`` floats (key, score per tier). Returns per tier ``(slot, key, pos,
     score)`` ``[S, H]`` as :func:`score_victims`."""
-    victims = []
-    for t in range(n_tiers):
-        slot, tie, pos = vi[..., 3 * t], vi[..., 3 * t + 1], vi[..., 3 * t + 2]
-        key, score = vf[..., 2 * t], vf[..., 2 * t + 1]
-        # The row's victim: the lexicographic minimum over its splits' victims.
-        kmin, _, smin = _lexmin(key, tie, slot, slot < BIG, axis=-1)
-        pick = slot == smin[..., None]
-        found = smin < BIG
-        victims.append((jnp.where(found, smin, -1), kmin[..., 0],
-                        jnp.sum(jnp.where(pick, pos, 0), axis=-1),
-                        jnp.sum(jnp.where(pick, score, 0.0), axis=-1)))
-    return victims
+    return [pick_victim(vi[..., 3 * t], vi[..., 3 * t + 1], vi[..., 3 * t + 2],
+                        vf[..., 2 * t], vf[..., 2 * t + 1], axis=-1) for t in range(n_tiers)]
+
+
+def pick_victim(slot, tie, pos, key, score, axis=None):
+    """A row's victim of one tier from its splits' partial victims (``slot == BIG``:
+    none in that split), reduced along ``axis`` (all axes when None, as inside a
+    kernel): the lexicographic minimum of ``(key, tie, slot)``, as
+    ``(slot or -1, key, pos, score)``."""
+    kmin, _, smin = _lexmin(key, tie, slot, slot < BIG, axis=axis)
+    if axis is not None:
+        kmin = jnp.squeeze(kmin, axis)
+    pick = slot == (smin if axis is None else jnp.expand_dims(smin, axis))
+    return (jnp.where(smin < BIG, smin, -1), kmin, jnp.sum(jnp.where(pick, pos, 0), axis=axis),
+            jnp.sum(jnp.where(pick, score, 0.0), axis=axis))
 
 
 def score_victims_reference(probs: Sequence[jax.Array], pages: Sequence[jax.Array],

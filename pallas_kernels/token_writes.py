@@ -255,16 +255,13 @@ def write_tokens(data, k_meta, v_meta, scores, positions, writes: Sequence[Token
 
 
 def _row_victim(vi_ref, vf_ref, t: int):
-    """Tier ``t``'s victim of a row from its splits' partial victims (the lexicographic
-    minimum, as :func:`policy_scores.merge_victims`): ``(slot or -1, key, pos, score)``."""
-    from pallas_kernels.policy_scores import BIG, _lexmin
+    """Tier ``t``'s victim of a row from its splits' partial victims, as
+    :func:`policy_scores.merge_victims` (columns read from the refs: the Triton
+    lowering slices no loaded values): ``(slot or -1, key, pos, score)``."""
+    from pallas_kernels.policy_scores import pick_victim
 
-    slot, tie, pos = vi_ref[:, 3 * t], vi_ref[:, 3 * t + 1], vi_ref[:, 3 * t + 2]
-    key, score = vf_ref[:, 2 * t], vf_ref[:, 2 * t + 1]
-    kmin, _, smin = _lexmin(key, tie, slot, slot < BIG)
-    pick = slot == smin
-    return (jnp.where(smin < BIG, smin, -1), kmin, jnp.sum(jnp.where(pick, pos, 0)),
-            jnp.sum(jnp.where(pick, score, 0.0)))
+    return pick_victim(vi_ref[:, 3 * t], vi_ref[:, 3 * t + 1], vi_ref[:, 3 * t + 2],
+                       vf_ref[:, 2 * t], vf_ref[:, 2 * t + 1])
 
 
 def _decide_kernel(vi_ref, vf_ref, n_ref, rows_ref, info_ref, k_ref, v_ref, p_ref, *refs,
