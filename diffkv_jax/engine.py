@@ -669,9 +669,8 @@ class Engine(Generator):
         while self.waiting and free_slots and len(rows) < self.max_prefill_batch:
             req = self.requests[self.waiting[0]]
             if req.swapped is not None:  # its cache comes back from host memory
-                n = running + len(rows) + 1
-                if free - req.swapped_pages < (self._step_reserve(n, len(rows) + 1)
-                                               + n * self._headroom_per_row):
+                if not self._fits(free, req.swapped_pages, running + len(rows) + 1,
+                                  len(rows) + 1):
                     break
                 self.waiting.popleft()
                 free -= req.swapped_pages
@@ -684,19 +683,11 @@ class Engine(Generator):
                             + prefill_cost([n_tok], self.PREFILL_CALL_TOKENS)):
                 break  # cheaper in a call of its own, next step (first come, first served)
             need = self.method.pages_for_tokens(req.context_len)
-            n = running + len(rows) + 1
-            # Every row prefilled now counts the worst case for its first decode step
-            # (a prompt's last chunk moves its length past what the bound saw).
-            if free - need < (self._step_reserve(n, len(rows) + 1)
-                              + n * self._headroom_per_row):
+            if not self._fits(free, need, running + len(rows) + 1, len(rows) + 1):
                 break
             self.waiting.popleft()
-            req.slot = free_slots.pop(0)
-            req.status = "running"
-            req.epoch += 1
-            req.in_flight = 0
+            self._occupy(req, free_slots.pop(0))
             req.prefilled = 0
-            self.slots[req.slot] = req.id
             rows.append((req, 0))
             lengths.append(n_tok)
             free -= need
@@ -704,6 +695,33 @@ class Engine(Generator):
             self._sampling_static = None
             self._prefill(rows)
         return bool(rows)
+
+    def _fits(self, free: int, need: int, rows: int, new: int) -> bool:
+        """Whether ``need`` pages can go to an admission, leaving the reserve of the
+        next decode step of ``rows`` rows: every row admitted now (``new``) counts
+        the worst case for its first step (a prompt's last chunk moves its length
+        past what the bound saw), plus the headroom per row."""
+        return free - need >= self._step_reserve(rows, new) + rows * self._headroom_per_row
+
+    def _occupy(self, req: Request, slot: int) -> None:
+        """``req`` takes ``slot`` in a new admission (epoch)."""
+        req.slot, req.status = slot, "running"
+        req.epoch += 1
+        req.in_flight = 0
+        self.slots[slot] = req.id
+
+    def _start_decoding(self, req: Request, generated: int) -> None:
+        """``req``'s slot decodes from the next step, ``generated`` tokens sampled so
+        far (those in flight included)."""
+        s = req.slot
+        self._gen[s] = generated
+        self._limit[s] = min(req.sampling.max_new_tokens,
+                             self.method.max_context - len(req.prompt))
+        self._plen[s], self._rid[s], self._epoch[s] = len(req.prompt), req.id, req.epoch
+        # Priority is arrival: the newest arrival is preempted first, and a
+        # preempted request keeps its place (preempting it again would throw
+        # away the recomputation it has just paid for).
+        self._order[s], self._live[s] = req.id, True
 
     def _prefill(self, rows: list[tuple[Request, int]]) -> None:
         """Prefill ``(request, start)`` rows: each row's context from ``start``, whole
@@ -762,15 +780,7 @@ class Engine(Generator):
                                first)
         for _, r in done:
             r.in_flight = 1
-            s = r.slot
-            self._gen[s] = len(r.output) + 1
-            self._limit[s] = min(r.sampling.max_new_tokens,
-                                 self.method.max_context - len(r.prompt))
-            self._plen[s], self._rid[s], self._epoch[s] = len(r.prompt), r.id, r.epoch
-            # Priority is arrival: the newest arrival is preempted first, and a
-            # preempted request keeps its place (preempting it again would throw
-            # away the recomputation it has just paid for).
-            self._order[s], self._live[s] = r.id, True
+            self._start_decoding(r, len(r.output) + 1)
         self._new_dispatch(self._run("count", None, self._pool_counts, self.state), need,
                            growth=("admit", len(done)), tokens=first,
                            rows=[(j, r.id, r.epoch) for j, (_, r) in enumerate(done)])
@@ -846,16 +856,9 @@ class Engine(Generator):
                                jnp.asarray(slot, jnp.int32), host)
         self.swap_ins += 1
         self.swap_moved_bytes += host.nbytes
-        req.slot, req.status = slot, "running"
-        req.epoch += 1
-        req.in_flight = 0
+        self._occupy(req, slot)
         req.prefilled = req.context_len
-        self.slots[slot] = req.id
-        self._gen[slot] = len(req.output)  # the next step samples token len(output)
-        self._limit[slot] = min(req.sampling.max_new_tokens,
-                                self.method.max_context - len(req.prompt))
-        self._plen[slot], self._rid[slot], self._epoch[slot] = len(req.prompt), req.id, req.epoch
-        self._order[slot], self._live[slot] = req.id, True
+        self._start_decoding(req, len(req.output))  # the next step samples token len(output)
         self._last = self._run("set_last", 1, self._set_last, self._last,
                                jnp.asarray([slot], jnp.int32),
                                jnp.asarray([req.output[-1]], jnp.int32))
