@@ -372,14 +372,12 @@ def main() -> int:
         print("\nprompt scoring, one layer, "
               + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                           for k, v in scoring.items()))
+    if args.prefill_only:  # (each method's prefill line is printed above)
+        return 0
     print(f"\n{'method':8s} {'blocking':>8s} {'queued':>7s} {'attention':>10s} {'write':>8s} "
           f"{'compaction':>11s} "
           f"{'model':>8s} {'KV/16bit':>9s} {'tiers h/l/p':>14s}")
     for r in rows:
-        if args.prefill_only:
-            print(f"{r['method']:8s} prefill {r['prefill_call_ms']:.1f} ms per call of "
-                  f"{args.prefill_batch} x {args.context} tokens")
-            continue
         tiers = ("-" if r["frac_high"] is None else
                  f"{r['frac_high']:.0%}/{r['frac_low']:.0%}/{r['frac_pruned']:.0%}")
         print(f"{r['method']:8s} {r['step_blocking']:8.2f} {r['step']:7.2f} "
