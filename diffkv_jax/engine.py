@@ -329,9 +329,10 @@ class Engine(Generator):
       admit_headroom_tokens: growth, in tokens per running request, kept free when
         admitting (fewer preemptions, a smaller batch); 0 admits while pages last.
       preemption: "recompute" (a preempted request is prefilled again from its
-        prompt and output) or "swap" (its pages wait in host memory and come back
-        as they were; methods with ``swap_pool_fields``: the uncompressed, FP8 and
-        DiffKV caches and the token-eviction baselines).
+        prompt and output) or "swap" (its pages wait in page-locked host memory
+        and come back as they were; methods with ``swap_pool_fields``: the
+        uncompressed, FP8 and DiffKV caches and the token-eviction baselines).
+        Recompute is the default: it was the faster of the two on the H200.
       swap_bytes: host memory the swapped caches may take together; a preemption
         that would exceed it recomputes instead.
       prefill_chunk: prefill long prompts this many tokens per step, between
@@ -828,19 +829,21 @@ class Engine(Generator):
         return self._swap_fns[key]
 
     def _swap_out(self, victim: Request) -> bool:
-        """Copy the victim's cache to host memory and free its slot; False (nothing
-        done) where the copy would not fit ``swap_bytes``."""
+        """Start copying the victim's cache to host memory and free its slot; False
+        (nothing done) where the copy would not fit ``swap_bytes``."""
         bound = self.method.pages_for_tokens(victim.context_len + 1)  # >= the pages it owns
-        n = min(next_pow2(bound), row_swap.max_row_pages(self.method))
+        n = row_swap.row_pages_bucket(bound, row_swap.max_row_pages(self.method))
         slot = jnp.asarray(victim.slot, jnp.int32)
         row = self._run("swap_out", n, self._swap_fn("out", n), self.state, slot)
         t0 = time.perf_counter()
-        host = jax.device_get(row)
+        # One scalar: the steps in flight were all read before preempting, so this
+        # waits for the copy-out kernel alone, not for the transfer to the host.
+        count = int(row.count)
         self.wait_seconds += time.perf_counter() - t0
-        size = host.nbytes
-        if int(host.count) > n or self.swapped_bytes + size > self.swap_bytes:
+        size = row.nbytes
+        if count > n or self.swapped_bytes + size > self.swap_bytes:
             return False
-        victim.swapped, victim.swapped_pages = host, int(host.count)
+        victim.swapped, victim.swapped_pages = row_swap.to_host(row), count
         self.swapped_bytes += size
         self.swap_outs += 1
         self.swap_moved_bytes += size
@@ -852,8 +855,9 @@ class Engine(Generator):
         host, need = req.swapped, req.swapped_pages
         self._drop_swapped(req)
         n = next(iter(host.pages.values())).shape[0]
+        (device,) = self.state.page_table.devices()
         self.state = self._run("swap_in", n, self._swap_fn("in", n), self.state,
-                               jnp.asarray(slot, jnp.int32), host)
+                               jnp.asarray(slot, jnp.int32), row_swap.to_device(host, device))
         self.swap_ins += 1
         self.swap_moved_bytes += host.nbytes
         self._occupy(req, slot)

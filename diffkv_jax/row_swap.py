@@ -37,8 +37,46 @@ class SwappedRow:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the copy (from the shapes: reading it does not wait for it)."""
         leaves = jax.tree_util.tree_leaves((self.pages, self.rows))
-        return int(sum(np.asarray(x).nbytes for x in leaves))
+        return int(sum(x.nbytes for x in leaves))
+
+
+def row_pages_bucket(pages: int, limit: int) -> int:
+    """Static page count of a copy of ``pages`` pages: the next multiple of a quarter
+    of the power of two at or below it (four sizes per octave: at most a quarter
+    more than needed, where a power of two would move up to twice the bytes),
+    capped at ``limit``."""
+    quarter = max(1, 1 << max(0, pages.bit_length() - 3))
+    return min(-(-pages // quarter) * quarter, limit)
+
+
+def host_memory(device) -> str | None:
+    """The page-locked host memory kind of ``device`` (``None`` if it has none)."""
+    kinds = {m.kind for m in device.addressable_memories()}
+    return "pinned_host" if "pinned_host" in kinds else None
+
+
+def to_host(row: SwappedRow) -> SwappedRow:
+    """Start copying ``row`` (on the device) to host memory; returns at once.
+
+    Into page-locked host memory where the device has it: a DMA that overlaps
+    the decode steps dispatched after it (the device copy is freed once it is
+    done), and the fast way back (:func:`to_device`). Otherwise a blocking read
+    into numpy arrays.
+    """
+    leaf = jax.tree_util.tree_leaves(row)[0]
+    (device,) = leaf.devices()
+    kind = host_memory(device)
+    if kind is None:
+        return jax.device_get(row)
+    return jax.device_put(row, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+
+
+def to_device(row: SwappedRow, device) -> SwappedRow:
+    """``row`` (from :func:`to_host`) back in ``device``'s default memory, for
+    :func:`import_row`."""
+    return jax.device_put(row, jax.sharding.SingleDeviceSharding(device))
 
 
 def supports_swap(method) -> bool:

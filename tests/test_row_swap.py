@@ -77,3 +77,29 @@ def test_a_copy_too_small_says_so(tiny_model):
                      np.random.default_rng(1), cfg.vocab_size, [0], 70)
     row = row_swap.export_row(m, state, jnp.int32(0), 4)
     assert int(row.count) > 4  # the engine then recomputes instead
+
+
+def test_copy_buckets_waste_at_most_a_quarter():
+    for pages in range(1, 3000):
+        n = row_swap.row_pages_bucket(pages, 10**9)
+        assert pages <= n and n * 4 <= pages * 5, (pages, n)
+    assert row_swap.row_pages_bucket(1000, 900) == 900
+    assert len({row_swap.row_pages_bucket(p, 10**9) for p in range(1, 4097)}) < 60
+
+
+def test_host_copy_round_trip():
+    """The copy lands in page-locked host memory where the device has it, and
+    comes back unchanged."""
+    rng = np.random.default_rng(3)
+    row = row_swap.SwappedRow(pages={"a": jnp.asarray(rng.integers(0, 255, (6, 8), np.uint8))},
+                              rows={"b": jnp.asarray(rng.normal(size=3), jnp.float32)},
+                              count=jnp.int32(5))
+    (device,) = row.pages["a"].devices()
+    host = row_swap.to_host(row)
+    assert host.nbytes == row.nbytes
+    if row_swap.host_memory(device) is not None:
+        assert host.pages["a"].sharding.memory_kind == "pinned_host"
+    back = row_swap.to_device(host, device)
+    assert back.pages["a"].sharding.memory_kind == device.default_memory().kind
+    for a, b in zip(jax.tree_util.tree_leaves(row), jax.tree_util.tree_leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
