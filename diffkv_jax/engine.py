@@ -335,6 +335,9 @@ class Engine(Generator):
         Recompute is the default: it was the faster of the two on the H200.
       swap_bytes: host memory the swapped caches may take together; a preemption
         that would exceed it recomputes instead.
+      swap_pool_bytes: page-locked host memory to allocate at construction, so that
+        swaps reuse it instead of locking fresh memory (:func:`row_swap.grow_host_pool`;
+        GPU only, ``preemption="swap"`` only; 0: grow as swaps come).
       prefill_chunk: prefill long prompts this many tokens per step, between
         decode steps, so running requests keep generating while a long prompt
         arrives (methods with ``supports_chunked_prefill``: the uncompressed, FP8
@@ -354,7 +357,8 @@ class Engine(Generator):
     ``exposed_host_seconds`` is a tighter bound on the time the device idled
     for the host: it counts only iterations that found the previous step's
     results already finished (a read under :attr:`READY_WAIT_S`), the time from
-    that step's queueing (or the host's last real wait, if later) to this
+    that step's queueing (or the end of the host's last real wait for any
+    result, if later: a read before preempting, a release, a swap) to this
     step's queueing.
     ``prefill_seconds`` / ``decode_seconds`` split the steps' wall time: a step
     that prefilled counts as prefill, any other as decode.
@@ -374,7 +378,7 @@ class Engine(Generator):
                  max_prefill_batch: int = 4, detokenizer=None,
                  admit_headroom_tokens: int = 0, prefill_chunk: int | None = None,
                  memory_bytes: int | None = None, preemption: str = "recompute",
-                 swap_bytes: int = 16 * 2**30):
+                 swap_bytes: int = 16 * 2**30, swap_pool_bytes: int = 0):
         if num_pages is None:
             if memory_bytes is None:
                 memory_bytes = memory_budget.default_memory_bytes()
@@ -398,6 +402,9 @@ class Engine(Generator):
             raise ValueError(f"{type(method).__name__} cannot swap a slot's cache out; "
                              "use preemption='recompute'")
         self.preemption, self.swap_bytes = preemption, swap_bytes
+        if preemption == "swap" and swap_pool_bytes > 0:
+            (device,) = self.state.page_table.devices()
+            row_swap.grow_host_pool(device, min(swap_pool_bytes, swap_bytes))
         self._swap_fns: dict = {}
         self.swapped_bytes = 0  # host bytes the waiting swapped caches hold now
         self.swap_outs = self.swap_ins = 0
@@ -421,7 +428,7 @@ class Engine(Generator):
         self.prefill_seconds = self.decode_seconds = 0.0
         self.wait_seconds = self.host_seconds = 0.0
         self.exposed_host_seconds = 0.0
-        self._queued_at = self._waited_until = None
+        self._queued_at, self._busy_until = None, 0.0
         self.peak_memory: dict = {}
         S = method.max_seqs
         # Last sampled token of every slot, kept on the device: a decode step feeds
@@ -591,10 +598,16 @@ class Engine(Generator):
         than the host's last wait, if that wait was real.
         """
         if self._queued_at is not None and wait < self.READY_WAIT_S:
-            since = max(self._queued_at, self._waited_until or 0.0)
+            since = max(self._queued_at, self._busy_until)
             self.exposed_host_seconds += max(queued - since, 0.0)
         self._queued_at = queued
-        self._waited_until = read_at if wait >= self.READY_WAIT_S else None
+        self._waited(wait, read_at)
+
+    def _waited(self, seconds: float, until: float) -> None:
+        """A read that blocked ``seconds`` until ``until``: if that was a real wait,
+        the device was busy until then, whatever read it was."""
+        if seconds >= self.READY_WAIT_S:
+            self._busy_until = max(self._busy_until, until)
 
     def run(self) -> Iterator[dict[int, list[int]]]:
         """Step until every request is finished, yielding each step's new tokens."""
@@ -839,7 +852,9 @@ class Engine(Generator):
         # One scalar: the steps in flight were all read before preempting, so this
         # waits for the copy-out kernel alone, not for the transfer to the host.
         count = int(row.count)
-        self.wait_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.wait_seconds += t1 - t0
+        self._waited(t1 - t0, t1)
         size = row.nbytes
         if count > n or self.swapped_bytes + size > self.swap_bytes:
             return False
@@ -905,7 +920,9 @@ class Engine(Generator):
             return 0.0
         t0 = time.perf_counter()
         host = jax.device_get([(d.counts, d.tokens) for d in dispatches])
-        waited = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        waited = t1 - t0
+        self._waited(waited, t1)
         done = []
         for d, (counts, tokens) in zip(dispatches, host):
             self._mark_read(d, counts)
@@ -992,7 +1009,9 @@ class Engine(Generator):
         if not d.read:
             t0 = time.perf_counter()
             counts = jax.device_get(d.counts)
-            self.wait_seconds += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.wait_seconds += t1 - t0
+            self._waited(t1 - t0, t1)
             self._mark_read(d, counts)
             self._pending = [p for p in self._pending if not p.read]
 

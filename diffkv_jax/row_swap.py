@@ -73,6 +73,26 @@ def to_host(row: SwappedRow) -> SwappedRow:
     return jax.device_put(row, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
 
 
+def grow_host_pool(device, nbytes: int) -> bool:
+    """Have ``nbytes`` of ``device``'s page-locked host memory allocated now, once.
+
+    Page-locked copies come out of a pool that grows by locking fresh host
+    memory, about 0.7 ms per MB on the H200 (a 256 MB copy then runs at 1.4 GB/s
+    where one reusing the pool runs at 48 GB/s); freed copies stay in the pool.
+    Growing it by one large block before serving keeps that cost off the
+    preemptions. True if it did (GPU devices with page-locked memory only: on
+    the CPU "page-locked" memory is the host's own).
+    """
+    kind = host_memory(device)
+    if kind is None or device.platform == "cpu" or nbytes <= 0:
+        return False
+    block = jax.device_put(np.zeros(nbytes, np.uint8),
+                           jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+    block.block_until_ready()
+    block.delete()
+    return True
+
+
 def to_device(row: SwappedRow, device) -> SwappedRow:
     """``row`` (from :func:`to_host`) back in ``device``'s default memory, for
     :func:`import_row`."""

@@ -88,7 +88,8 @@ def run_method(label, name, options, cfg, params, args, prompts):
     engine = Engine(cfg, params, method, num_pages, dtype=dtype,
                     max_prefill_batch=args.prefill_batch,
                     admit_headroom_tokens=args.admit_headroom, prefill_chunk=chunk,
-                    preemption=args.preemption)
+                    preemption=args.preemption,
+                    swap_pool_bytes=int(args.swap_pool_gb * 2**30))
     engine.READ_BEFORE_PREEMPTING = not args.preempt_on_bound
     sampling = SamplingParams(max_new_tokens=args.output_len, stop_token_ids=())
     submitted = time.perf_counter()
@@ -235,6 +236,9 @@ def main() -> int:
     p.add_argument("--preemption", default="recompute", choices=("recompute", "swap"),
                    help="what a preempted request's cache becomes: recomputed later, or "
                         "swapped to host memory and back (Engine(preemption=...))")
+    p.add_argument("--swap-pool-gb", type=float, default=0.0,
+                   help="with --preemption swap: page-locked host memory allocated before "
+                        "serving (Engine(swap_pool_bytes=...))")
     p.add_argument("--preempt-on-bound", action="store_true",
                    help="preempt on the free-page bound alone, without reading the results "
                         "in flight first (Engine.READ_BEFORE_PREEMPTING = False)")

@@ -221,8 +221,9 @@ def test_swap_needs_a_method_that_can_swap(tiny_model):
 def test_exposed_host_time_counts_only_steps_that_found_results_ready(tiny_model):
     """The device-idle bound: an iteration whose read really waited (the previous
     step was still running when this one was queued) adds nothing; one that found
-    results ready adds the time since the previous queueing, or since the host's
-    last real wait if that came later."""
+    results ready adds the time since the previous queueing, or since the end of
+    the host's last real wait for any result (read out of turn too) if that came
+    later."""
     cfg, params = tiny_model
     method = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=2,
                        max_context=64, page_size=8)
@@ -236,3 +237,7 @@ def test_exposed_host_time_counts_only_steps_that_found_results_ready(tiny_model
     assert abs(eng.exposed_host_seconds - 0.5) < 1e-12
     eng._expose(2.7, ready, 2.8)          # since the real wait ended at 2.4
     assert abs(eng.exposed_host_seconds - 0.8) < 1e-12
+    eng._waited(waited, 3.1)              # a read before preempting waited until 3.1
+    eng._waited(ready, 3.15)              # a read that found its result ready
+    eng._expose(3.3, ready, 3.4)          # idle from 3.1 only, not from 2.7
+    assert abs(eng.exposed_host_seconds - 1.0) < 1e-12

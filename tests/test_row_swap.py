@@ -103,3 +103,21 @@ def test_host_copy_round_trip():
     assert back.pages["a"].sharding.memory_kind == device.default_memory().kind
     for a, b in zip(jax.tree_util.tree_leaves(row), jax.tree_util.tree_leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_host_pool_grows_on_gpus_only():
+    (device,) = jax.devices()[:1]
+    grown = row_swap.grow_host_pool(device, 1 << 20)
+    assert grown == (device.platform != "cpu" and row_swap.host_memory(device) is not None)
+    assert not row_swap.grow_host_pool(device, 0)
+
+
+@pytest.mark.gpu
+def test_swaps_after_growing_the_host_pool_round_trip():
+    (device,) = jax.devices()[:1]
+    assert row_swap.grow_host_pool(device, 64 << 20)
+    rng = np.random.default_rng(4)
+    row = row_swap.SwappedRow(pages={"a": jnp.asarray(rng.integers(0, 255, (1 << 20,), np.uint8))},
+                              rows={}, count=jnp.int32(1))
+    back = row_swap.to_device(row_swap.to_host(row), device)
+    np.testing.assert_array_equal(np.asarray(back.pages["a"]), np.asarray(row.pages["a"]))
