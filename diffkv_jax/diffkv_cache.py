@@ -134,6 +134,7 @@ class DiffKVCache(SlotAccounting):
     # where the fused writes run compiled on a GPU (one launch fewer per layer,
     # 2% of a 64 x 4K step on the H200), "xla" otherwise.
     decide_impl: str = "auto"
+    merge_impl: str = "xla"
 
     name = "diffkv"
 
@@ -149,6 +150,11 @@ class DiffKVCache(SlotAccounting):
         if self.write_impl not in ("auto", "xla", "pallas"):
             raise ValueError(f"write_impl must be 'auto', 'xla' or 'pallas', "
                              f"got {self.write_impl!r}")
+        if self.merge_impl not in ("xla", "pallas"):
+            raise ValueError(f"merge_impl must be 'xla' or 'pallas', got {self.merge_impl!r}")
+        if self.merge_impl == "pallas" and self.attention_impl != "pallas":
+            raise ValueError("merge_impl='pallas' needs attention_impl='pallas': the policy "
+                             "kernel merges the attention kernel's partials")
         if self.decide_impl not in ("auto", "xla", "pallas"):
             raise ValueError(f"decide_impl must be 'auto', 'xla' or 'pallas', "
                              f"got {self.decide_impl!r}")
@@ -175,6 +181,12 @@ class DiffKVCache(SlotAccounting):
     def _decision_fits_kernel(self) -> bool:
         return (self.attention_impl == "pallas" and self.policy.rule == "diffkv"
                 and self.policy.low_tier)
+
+    @property
+    def merges_in_policy(self) -> bool:
+        """Whether the policy launch merges the attention launch's partials itself
+        (``merge_impl="pallas"``) instead of XLA's segment reductions."""
+        return self.merge_impl == "pallas"
 
     @property
     def decides_in_kernel(self) -> bool:

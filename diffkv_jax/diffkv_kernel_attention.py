@@ -96,15 +96,16 @@ def plan_decode_work(method, state, active) -> pdk.WorkList:
 
     def plan(p):
         w = pdk.plan_work(p, N)
-        return w.items, w.seg
+        return w.items, w.seg, w.ranges
 
-    items, seg = jax.vmap(plan)(pages)
-    return pdk.WorkList(items, seg, S * H)
+    items, seg, ranges = jax.vmap(plan)(pages)
+    return pdk.WorkList(items, seg, S * H, ranges)
 
 
 def layer_work(work: pdk.WorkList, layer) -> pdk.WorkList:
     """One layer's work list from :func:`plan_decode_work`."""
-    return pdk.WorkList(work.items[layer], work.seg[layer], work.num_rows)
+    return pdk.WorkList(work.items[layer], work.seg[layer], work.num_rows,
+                        None if work.ranges is None else work.ranges[layer])
 
 
 def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: int,
@@ -117,6 +118,22 @@ def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_
     kernel's logits (log2 units) and the page IDs it read, the merged softmax
     statistics ``[S, H, G]`` and the newcomer's own probability ``[S, H]``.
     """
+    qg, (o, m, l, logits), pages = _tier_partials(method, state, layer, q, n_hi, n_lo, work)
+    S, nq, D = q.shape
+    H = method.num_kv_heads
+    G = nq // H
+    qr = qg[:, :, :G]
+    s_new = jnp.einsum("shgd,shd->shg", qr, k_new.astype(jnp.float32)) / math.sqrt(D)
+    v_ext = jnp.broadcast_to(v_new.astype(jnp.float32)[:, :, None], (S, H, G, D))
+    out, M, L = pdk.merge_work(o, m, l, work, S, H, (v_ext, s_new, jnp.ones_like(s_new)))
+    p_new = jnp.max(jnp.exp(s_new - M) / L, axis=-1)
+    return out.reshape(S, nq, D), logits, pages, M, L, p_new
+
+
+def _tier_partials(method, state, layer, q, n_hi: int, n_lo: int, work: pdk.WorkList,
+                   padded_stats: bool = False):
+    """The attention launch over the layer's cached tiers: ``(grouped queries,
+    (o, m, l, logits), page IDs per tier)`` (:func:`pdk.paged_decode_partials`)."""
     S, nq, D = q.shape
     H = method.num_kv_heads
     G = nq // H
@@ -136,14 +153,9 @@ def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_
         pages.append(rows[:, :, cols])
         tiers.append(pdk.TierInput(fmt, keys, values, (state.k_meta, state.v_meta), pages[-1],
                                    state.n_tok[:S, layer, :, tier]))
-    o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=_launch(True),
-                                                work=work)
-    qr = qg[:, :, :G]
-    s_new = jnp.einsum("shgd,shd->shg", qr, k_new.astype(jnp.float32)) / math.sqrt(D)
-    v_ext = jnp.broadcast_to(v_new.astype(jnp.float32)[:, :, None], (S, H, G, D))
-    out, M, L = pdk.merge_work(o, m, l, work, S, H, (v_ext, s_new, jnp.ones_like(s_new)))
-    p_new = jnp.max(jnp.exp(s_new - M) / L, axis=-1)
-    return out.reshape(S, nq, D), logits, pages, M, L, p_new
+    parts = pdk.paged_decode_partials(qg, tiers, group=G, cfg=_launch(True), work=work,
+                                      padded_stats=padded_stats)
+    return qg, parts, pages
 
 
 def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: int, active,
@@ -155,19 +167,31 @@ def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: i
     Returns ``(state, out [S, nq, D])``.
     """
     from diffkv_jax import diffkv_policy as pol
-    from pallas_kernels.policy_scores import no_victims, score_victims
+    from pallas_kernels.policy_scores import RowPartials, no_victims, score_victims
 
-    S, nq, _ = q.shape
-    G = nq // method.num_kv_heads
-    out, logits, pages, M, L, p_new = kernel_decode_attention(method, state, layer, q, k_new,
-                                                              v_new, n_hi, n_lo, work)
+    S, nq, D = q.shape
+    H = method.num_kv_heads
+    G = nq // H
+    fused = method.merges_in_policy
+    if fused:  # the policy launch merges the partials (and the newcomer) itself
+        qg, (o, m, l, logits), pages = _tier_partials(method, state, layer, q, n_hi, n_lo,
+                                                      work, padded_stats=True)
+        partials = RowPartials(o, m, l, work.ranges.reshape(S, H, 2), qg, k_new, v_new)
+        M = L = None
+    else:
+        out, logits, pages, M, L, p_new = kernel_decode_attention(
+            method, state, layer, q, k_new, v_new, n_hi, n_lo, work)
+        partials = None
     caps = [method.cap(HI), method.cap(LO)][:len(pages)]
     n_tok = method.scoring_rows(state, layer, active)[:len(pages)]
     in_kernel = method.decides_in_kernel and len(pages) == 2
-    scores, victims = score_victims(logits, M, L, pages, n_tok, state.seq_len[:S],
-                                    state.prompt_len[:S], state.scores, state.positions,
-                                    caps=caps, group=G, rule=pol.victim_rule(method.policy),
-                                    merge=not in_kernel)
+    scores, victims, *merged = score_victims(
+        logits, M, L, pages, n_tok, state.seq_len[:S], state.prompt_len[:S], state.scores,
+        state.positions, caps=caps, group=G, rule=pol.victim_rule(method.policy),
+        merge=not in_kernel, partials=partials)
+    if fused:
+        out, _, _, p_new = merged[0]
+        out = out.reshape(S, nq, D)
     if in_kernel:  # merge, decide and write in the token-writes launch
         state = method.decide_and_write(state.replace(scores=scores), layer, k_new, v_new,
                                         victims, p_new, active)

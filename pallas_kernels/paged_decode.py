@@ -324,7 +324,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
     l_ref[...] = l
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["items", "seg"],
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["items", "seg", "ranges"],
                    meta_fields=["num_rows"])
 @dataclasses.dataclass(frozen=True)
 class WorkList:
@@ -333,12 +333,15 @@ class WorkList:
     ``items [N, 4]`` int32 ``(s, h, begin, end)``: item ``w`` attends row ``(s, h)``
     over pages ``[begin, end)`` of the row's tiers laid end to end (its high pages,
     then its low pages); ``seg [N]`` is ``s * H + h``, or ``num_rows`` (``S * H``) for
-    an unused item (``begin == end``), which the merge drops.
+    an unused item (``begin == end``), which the merge drops. ``ranges [num_rows, 2]``
+    (from :func:`plan_work`; None otherwise): each row's first item and item count
+    (a row's items are consecutive), for a merge that walks a row's items itself.
     """
 
     items: jax.Array
     seg: jax.Array
     num_rows: int
+    ranges: jax.Array | None = None
 
     @property
     def size(self) -> int:
@@ -380,7 +383,8 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2) -> WorkList:
     end = jnp.minimum(begin + per_item, flat[row])
     items = jnp.stack([row // H, row % H, jnp.where(used, begin, 0), jnp.where(used, end, 0)],
                       axis=-1).astype(jnp.int32)
-    return WorkList(items, jnp.where(used, seg, S * H).astype(jnp.int32), S * H)
+    ranges = jnp.stack([ends - count, count], axis=-1).astype(jnp.int32)
+    return WorkList(items, jnp.where(used, seg, S * H).astype(jnp.int32), S * H, ranges)
 
 
 def even_work(tiers: Sequence[TierInput], num_splits: int) -> WorkList:
@@ -399,7 +403,7 @@ def even_work(tiers: Sequence[TierInput], num_splits: int) -> WorkList:
 
 def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = None,
                           cfg: LaunchConfig = LaunchConfig(), work: WorkList | None = None,
-                          interpret: bool | None = None):
+                          interpret: bool | None = None, padded_stats: bool = False):
     """Partial attention of ``q`` over every tier of each row, one launch.
 
     Args:
@@ -417,7 +421,9 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
       (K = num_splits, merge with :func:`merge_partials`). Float32, m in natural
       units. Then per tier ``logits [S, H, G, NP * slots]`` in log2 units (slots
       >= n_tok hold garbage and must be masked by the caller; None when
-      ``cfg.emit_logits`` is False).
+      ``cfg.emit_logits`` is False). ``padded_stats``: ``m, l`` (and, in interpret
+      mode, ``o``) keep their ``Gp`` rows, for a consumer that reads the real rows
+      itself (no slicing kernels).
     """
     if interpret is None:
         interpret = backend.default_interpret()
@@ -476,7 +482,7 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
                                                                        cfg.num_stages),
         name=name,
     )(*args)
-    o, m, l = outs[0][:, :G], outs[1][:, :G], outs[2][:, :G]
+    o, m, l = outs[:3] if padded_stats else (outs[0][:, :G], outs[1][:, :G], outs[2][:, :G])
     logits = [x[:, :, :G] for x in outs[3:]] if cfg.emit_logits else [None] * len(tiers)
     if not listed:
         K = cfg.num_splits

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import jax
@@ -34,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from diffkv_jax.diffkv_policy import query_counts
 from pallas_kernels import backend
-from pallas_kernels.paged_decode import LOG2E
+from pallas_kernels.paged_decode import LOG2E, NEG_INF
 
 BIG = 2**30
 #: Programs per row on the GPU: a long row's pages are shared by this many, so the
@@ -81,12 +82,47 @@ def no_victims(S: int, H: int):
             jnp.zeros((S, H), jnp.int32), jnp.zeros((S, H), jnp.float32))
 
 
+def _merge_row(rng_ref, q_ref, kn_ref, vn_ref, o_ref, pm_ref, pl_ref, rows, group: int):
+    """The row's exact attention merge (flash-decoding) inside the policy launch: its
+    work items' partials ``o, m, l`` (consecutive items ``rng = (first, count)``),
+    then the token being decoded (logit ``q . k_new / sqrt(D)``, value ``v_new``).
+    Returns ``(out [Gq, D], M [Gq], L [Gq], p_new)`` as :func:`paged_decode.merge_work`
+    with its ``extra``, and the newcomer's probability (max over the group)."""
+    D = q_ref.shape[-1]
+    dcol = lax.broadcasted_iota(jnp.int32, (D,), 0)
+    first, count = rng_ref[0], rng_ref[1]
+
+    def item(j, carry):
+        mx, lx, ox = carry
+        w = first + j
+        mi, li = pm_ref[w, rows], pl_ref[w, rows]
+        oi = o_ref[w, rows[:, None], dcol[None, :]]
+        mn = jnp.maximum(mx, mi)
+        a, b = jnp.exp(mx - mn), jnp.exp(mi - mn)
+        return mn, lx * a + li * b, ox * a[:, None] + oi * b[:, None]
+
+    Gq = rows.shape[0]
+    init = (jnp.full((Gq,), NEG_INF, jnp.float32), jnp.zeros((Gq,), jnp.float32),
+            jnp.zeros((Gq, D), jnp.float32))
+    mx, lx, ox = lax.fori_loop(0, count, item, init)
+    q = q_ref[rows[:, None], dcol[None, :]].astype(jnp.float32)
+    s_new = jnp.sum(q * kn_ref[...].astype(jnp.float32)[None, :], axis=1) / math.sqrt(D)
+    M = jnp.maximum(mx, s_new)
+    a, b = jnp.exp(mx - M), jnp.exp(s_new - M)
+    L = lx * a + b
+    out = (ox * a[:, None] + vn_ref[...].astype(jnp.float32)[None, :] * b[:, None]) / L[:, None]
+    p_new = jnp.max(b / L)
+    return out, M, L, p_new
+
+
 def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimRule,
-            group: int, block: int, splits: int, interpret: bool):
+            group: int, block: int, splits: int, interpret: bool, fused: bool):
     n_t = len(caps)
-    m_ref, l_ref, row_ref, pos_ref, sc_in = refs[:5]
-    lg_refs, page_refs = refs[5:5 + n_t], refs[5 + n_t:5 + 2 * n_t]
-    sc_ref, vi_ref, vf_ref = refs[5 + 2 * n_t:]
+    n_in = 7 if fused else 2
+    stats_refs, (row_ref, pos_ref, sc_in) = refs[:n_in], refs[n_in:n_in + 3]
+    lg_refs = refs[n_in + 3:n_in + 3 + n_t]
+    page_refs = refs[n_in + 3 + n_t:n_in + 3 + 2 * n_t]
+    sc_ref, vi_ref, vf_ref, *merged_refs = refs[n_in + 3 + 2 * n_t:]
     del sc_in  # aliased with sc_ref
     n_tok = [row_ref[t] for t in range(n_t)]
     cur, prompt_len = row_ref[n_t], row_ref[n_t + 1]
@@ -94,9 +130,27 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
     # last real row, which leaves the max over rows unchanged).
     Gq = group if interpret else pl.next_power_of_2(group)
     rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (Gq,), 0), group - 1)
-    M2, L = m_ref[rows], l_ref[rows]
-    inv_l = 1.0 / L
     split = pl.program_id(2)
+    if fused:
+        out, M, L, p_new = _merge_row(*stats_refs, rows, group)
+        M2 = M * LOG2E
+        out_ref, st_ref = merged_refs
+        # Every split of the row computes the same merge; all store it (the same values).
+        if interpret:
+            out_ref[...] = out
+        else:
+            from jax.experimental.pallas import triton as plgpu
+
+            mask = lax.broadcasted_iota(jnp.int32, out.shape, 0) < group
+            plgpu.store(out_ref.at[rows, pl.ds(0, out.shape[1])], out, mask=mask)
+        g_iota = lax.broadcasted_iota(jnp.int32, (Gq,), 0)
+        pick = lambda x, g: jnp.sum(jnp.where(g_iota == g, x, 0.0))  # noqa: E731
+        st_ref[...] = _lanes([pick(M, g) for g in range(group)]
+                             + [pick(L, g) for g in range(group)] + [p_new], jnp.float32)
+    else:
+        m_ref, l_ref = stats_refs
+        M2, L = m_ref[rows], l_ref[rows]
+    inv_l = 1.0 / L
     ints, floats = [], []
     for t, (cap, width) in enumerate(zip(caps, widths)):
         lg_ref, pages_ref = lg_refs[t], page_refs[t]
@@ -165,11 +219,30 @@ def _lanes(values, dtype):
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class RowPartials:
+    """What the policy launch needs to do the attention merge itself
+    (``score_victims(..., partials=...)``): the attention launch's per-item ``o [N,
+    >= G, D]``, ``m, l [N, >= G]`` (``paged_decode_partials(..., padded_stats=True)``),
+    each row's ``ranges [S, H, 2]`` (first item, item count: ``WorkList.ranges``), and
+    the token being decoded: grouped queries ``q [S, H, >= G, D]``, ``k_new, v_new [S,
+    H, D]``."""
+
+    o: jax.Array
+    m: jax.Array
+    l: jax.Array
+    ranges: jax.Array
+    q: jax.Array
+    k_new: jax.Array
+    v_new: jax.Array
+
+
 def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
                   n_tok: Sequence[jax.Array], cur, prompt_len, scores, positions, *,
                   caps: Sequence[int], group: int, rule: VictimRule = VictimRule(),
                   block: int = 512, splits: int | None = None, num_warps: int = 4,
-                  num_stages: int = 2, interpret: bool | None = None, merge: bool = True):
+                  num_stages: int = 2, interpret: bool | None = None, merge: bool = True,
+                  partials: RowPartials | None = None):
     """Add this step's probabilities to the scores and find each row's victims.
 
     Args:
@@ -186,10 +259,16 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
         victims are merged after the launch); default 4 on the GPU, 1 otherwise.
       merge: False returns the splits' partial victims ``(vi, vf)`` instead (for
         :func:`merge_victims`, or a kernel that merges them itself).
+      partials: the attention launch's partials (:class:`RowPartials`): the launch
+        merges them with the token being decoded itself, one XLA chain of segment
+        reductions fewer per layer; ``M`` and ``L`` are then None.
     Returns:
       ``(scores, victims)``; ``victims`` per tier ``(slot, key, pos, score)``, each
       ``[S, H]``: the victim's slot in the row's tier (-1 when none is eligible),
-      its key, position and updated score.
+      its key, position and updated score. With ``partials`` also ``(out [S, H, G,
+      D], M, L [S, H, G], p_new [S, H])``: the attention output, the merged softmax
+      statistics and the newcomer's probability, as
+      :func:`paged_decode.merge_work` with the newcomer as its ``extra``.
     """
     if interpret is None:
         interpret = backend.default_interpret()
@@ -198,16 +277,24 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
     S, H = n_tok[0].shape
     n_t = len(caps)
     K = splits
-    M2 = (M[:, :, :group] * LOG2E).astype(jnp.float32)
-    Lg = L[:, :, :group].astype(jnp.float32)
     row = jnp.stack([*[n.astype(jnp.int32) for n in n_tok],
                      jnp.broadcast_to(cur[:, None], (S, H)).astype(jnp.int32),
                      jnp.broadcast_to(prompt_len[:, None], (S, H)).astype(jnp.int32)], -1)
     whole = lambda a: pl.BlockSpec(a.shape, lambda s, h, k: (0,) * a.ndim)  # noqa: E731
     per_row = lambda a: pl.BlockSpec((None, None) + a.shape[2:],  # noqa: E731
                                      lambda s, h, k: (s, h) + (0,) * (a.ndim - 2))
-    args = [M2, Lg, row, positions, scores, *logits, *[p.astype(jnp.int32) for p in pages]]
-    in_specs = [per_row(M2), per_row(Lg), per_row(row), whole(positions), whole(scores),
+    if partials is None:
+        M2 = (M[:, :, :group] * LOG2E).astype(jnp.float32)
+        Lg = L[:, :, :group].astype(jnp.float32)
+        stats, stat_specs = [M2, Lg], [per_row(M2), per_row(Lg)]
+    else:
+        if M is not None or L is not None:
+            raise ValueError("with partials the launch merges M and L itself: pass None")
+        pt = partials
+        stats = [pt.ranges.astype(jnp.int32), pt.q, pt.k_new, pt.v_new, pt.o, pt.m, pt.l]
+        stat_specs = [*[per_row(x) for x in stats[:4]], *[whole(x) for x in stats[4:]]]
+    args = [*stats, row, positions, scores, *logits, *[p.astype(jnp.int32) for p in pages]]
+    in_specs = [*stat_specs, per_row(row), whole(positions), whole(scores),
                 *[per_row(x) for x in logits], *[per_row(p) for p in pages]]
     n_int, n_float = pl.next_power_of_2(3 * n_t), pl.next_power_of_2(2 * n_t)
     out_shape = [jax.ShapeDtypeStruct(scores.shape, scores.dtype),
@@ -215,18 +302,29 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
                  jax.ShapeDtypeStruct((S, H, K, n_float), jnp.float32)]
     split_out = lambda w: pl.BlockSpec((None, None, None, w), lambda s, h, k: (s, h, k, 0))  # noqa
     out_specs = [whole(scores), split_out(n_int), split_out(n_float)]
+    if partials is not None:
+        D = partials.q.shape[-1]
+        n_stat = pl.next_power_of_2(2 * group + 1)
+        out_shape += [jax.ShapeDtypeStruct((S, H, group, D), jnp.float32),
+                      jax.ShapeDtypeStruct((S, H, n_stat), jnp.float32)]
+        out_specs += [pl.BlockSpec((None, None, group, D), lambda s, h, k: (s, h, 0, 0)),
+                      pl.BlockSpec((None, None, n_stat), lambda s, h, k: (s, h, 0))]
     kernel = functools.partial(_kernel, caps=tuple(caps),
                                widths=tuple(p.shape[-1] for p in pages), rule=rule, group=group,
-                               block=block, splits=K, interpret=interpret)
-    new_scores, vi, vf = pl.pallas_call(
+                               block=block, splits=K, interpret=interpret,
+                               fused=partials is not None)
+    new_scores, vi, vf, *merged = pl.pallas_call(
         kernel, grid=(S, H, K), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        input_output_aliases={4: 0}, interpret=interpret,
+        input_output_aliases={len(stats) + 2: 0}, interpret=interpret,
         compiler_params=None if interpret else backend.compiler_params(num_warps, num_stages),
         name="policy_scores",
     )(*args)
-    if not merge:
-        return new_scores, (vi, vf)
-    return new_scores, merge_victims(vi, vf, n_t)
+    victims = (vi, vf) if not merge else merge_victims(vi, vf, n_t)
+    if partials is None:
+        return new_scores, victims
+    out, st = merged
+    return new_scores, victims, (out, st[..., :group], st[..., group:2 * group],
+                                 st[..., 2 * group])
 
 
 def merge_victims(vi, vf, n_tiers: int):

@@ -141,3 +141,40 @@ def test_full_cache_rejects_unknown_attention_impl():
     with pytest.raises(ValueError, match="attention_impl"):
         make_method("full", PRESETS["smollm2-135m"], max_seqs=1, max_context=16,
                     attention_impl="fast")
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
+                         ids=["here", "gpu"])
+def test_merge_in_the_policy_launch_serves_the_same_tokens(tiny_model, compiled):
+    # merge_impl="pallas": the policy launch merges the attention partials and the
+    # token being decoded itself. Equal up to rounding (an online merge), so the
+    # greedy tokens match and the scores agree closely.
+    import jax
+
+    from diffkv_jax.engine import Engine
+    from diffkv_jax.generation import SamplingParams
+    from models.llama import init_params
+
+    cfg, params = tiny_model
+    if compiled:
+        cfg = dataclasses.replace(cfg, head_dim=64)
+        params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    rng = np.random.default_rng(8)
+    prompts = [list(rng.integers(0, cfg.vocab_size, size=n)) for n in (40, 70)]
+    xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16 if compiled else 8,
+                      window=8, attention_impl="pallas", alpha_high=1.0, alpha_low=0.05)
+    fused = dataclasses.replace(xla, merge_impl="pallas")
+    assert fused.merges_in_policy and not xla.merges_in_policy
+    runs = []
+    for m in (xla, fused):
+        eng = Engine(cfg, params, m, num_pages=2 * m.pages_for_tokens(128) + 64)
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=40)) for p in prompts]
+        for _ in range(30):
+            eng.step()
+        runs.append(([eng.requests[i].output for i in ids], np.asarray(eng.state.scores),
+                     m.memory_stats(eng.state)))
+    assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
+    assert runs[0][2]["frac_low"] > 0
+    np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="merge_impl"):
+        make_method("diffkv", cfg, max_seqs=2, max_context=128, merge_impl="pallas")

@@ -105,3 +105,69 @@ def test_compiled_kernel_matches_reference_on_gpu(rule, block):
     np.testing.assert_allclose(got_s, ref_s, rtol=1e-5, atol=1e-6)
     for g, r in zip(got_v, ref_v):
         assert (np.asarray(g[0]) == np.asarray(r[0])).mean() > 0.9
+
+
+def merge_case(rng, S=3, H=2, G=3, D=32, N=20):
+    """Random attention partials over a planned work list, and the token being decoded."""
+    pages = jnp.asarray(rng.integers(0, 7, size=(S, H)), jnp.int32).at[0, 1].set(0)
+    work = pdk.plan_work(pages, N)
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    o, m = f(N, G, D), f(N, G) * 3
+    l = jnp.asarray(rng.uniform(0.5, 20, size=(N, G)), jnp.float32)
+    q, k_new, v_new = f(S, H, G, D), f(S, H, D), f(S, H, D)
+    return work, o, m, l, q, k_new, v_new
+
+
+def merged_reference(work, o, m, l, q, k_new, v_new):
+    S, H, G, D = q.shape
+    s_new = jnp.einsum("shgd,shd->shg", q, k_new) / np.sqrt(D)
+    v_ext = jnp.broadcast_to(v_new[:, :, None], (S, H, G, D))
+    out, M, L = pdk.merge_work(o, m, l, work, S, H, (v_ext, s_new, jnp.ones_like(s_new)))
+    return out, M, L, jnp.max(jnp.exp(s_new - M) / L, axis=-1)
+
+
+def fused_and_reference(rng, interpret, caps=(8, 16), **case_args):
+    from pallas_kernels.policy_scores import RowPartials
+
+    logits, _, _, _, pages, n_tok, cur, plen, scores, positions = case(rng, caps, **case_args)
+    work, o, m, l, q, k_new, v_new = merge_case(rng)
+    ref_merged = merged_reference(work, o, m, l, q, k_new, v_new)
+    ref = score_victims(logits, ref_merged[1], ref_merged[2], pages, n_tok, cur, plen, scores,
+                        positions, caps=caps, group=3, interpret=interpret)
+    parts = RowPartials(o, m, l, work.ranges.reshape(3, 2, 2), q, k_new, v_new)
+    got = score_victims(logits, None, None, pages, n_tok, cur, plen, scores, positions,
+                        caps=caps, group=3, interpret=interpret, partials=parts)
+    return got, (*ref, ref_merged)
+
+
+def check_fused(got, ref, rtol):
+    (got_s, got_v, got_m), (ref_s, ref_v, ref_m) = got, ref
+    for g, r in zip(got_m, ref_m):  # out, M, L, p_new
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(got_s, ref_s, rtol=rtol, atol=rtol)
+    for g, r in zip(got_v, ref_v):
+        np.testing.assert_array_equal(g[0], r[0])
+
+
+def test_merge_inside_the_policy_launch_matches_the_xla_merge():
+    # The launch merges each row's work items (online, item by item) and the token
+    # being decoded; the XLA merge takes the global max first: equal up to rounding.
+    rng = np.random.default_rng(21)
+    got, ref = fused_and_reference(rng, True)
+    check_fused(got, ref, 2e-5)
+    assert float(jnp.min(got[2][2])) > 0  # every row has the newcomer at least
+    with pytest.raises(ValueError, match="partials"):
+        from pallas_kernels.policy_scores import RowPartials
+
+        work, o, m, l, q, k, v = merge_case(rng)
+        logits, _, M, L, pages, n_tok, cur, plen, scores, positions = case(rng)
+        score_victims(logits, M, L, pages, n_tok, cur, plen, scores, positions, caps=(8, 16),
+                      group=3, interpret=True,
+                      partials=RowPartials(o, m, l, work.ranges.reshape(3, 2, 2), q, k, v))
+
+
+@pytest.mark.gpu
+def test_compiled_merge_inside_the_policy_launch_matches_on_gpu():
+    rng = np.random.default_rng(22)
+    got, ref = fused_and_reference(rng, False, caps=(32, 64), W=(3, 2), P=40, slots=64)
+    check_fused(got, ref, 1e-4)
