@@ -171,3 +171,30 @@ def test_compiled_merge_inside_the_policy_launch_matches_on_gpu():
     rng = np.random.default_rng(22)
     got, ref = fused_and_reference(rng, False, caps=(32, 64), W=(3, 2), P=40, slots=64)
     check_fused(got, ref, 1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["scores", "scores+merge"])
+def test_launch_lowers_to_triton_for_cuda(fused):
+    # The GPU code path (masked stores, gathers by row index, dynamic loops) goes
+    # through Pallas' Triton lowering on any machine: a lowering error shows here
+    # before a GPU run.
+    import jax
+
+    from pallas_kernels.policy_scores import RowPartials
+
+    rng = np.random.default_rng(23)
+    logits, _, M, L, pages, n_tok, cur, plen, scores, positions = case(
+        rng, (32, 64), W=(3, 2), P=40, slots=64)
+    parts = None
+    if fused:
+        work, o, m, l, q, k, v = merge_case(rng, D=64)
+        parts = RowPartials(o, m, l, work.ranges.reshape(3, 2, 2), q, k.astype(jnp.bfloat16),
+                            v.astype(jnp.bfloat16))
+        M = L = None
+
+    def launch(lg, sc):
+        return score_victims(lg, M, L, pages, n_tok, cur, plen, sc, positions, caps=(32, 64),
+                             group=3, interpret=False, partials=parts)
+
+    text = jax.jit(launch).trace(logits, scores).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("policy_scores") >= 1 and "triton" in text
