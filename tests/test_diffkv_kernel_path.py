@@ -49,6 +49,21 @@ def test_token_writes_kernel_gives_the_same_decode_as_the_scatters(tiny_model, n
         dataclasses.replace(xla, write_impl="cuda")
 
 
+def _two_prompts(tiny_model, compiled: bool, seed: int):
+    """The tiny model (head dim 64 when compiled: the GPU kernels' K4V2 value slices
+    need it) and two random prompts of 40 and 70 tokens."""
+    import jax
+
+    from models.llama import init_params
+
+    cfg, params = tiny_model
+    if compiled:
+        cfg = dataclasses.replace(cfg, head_dim=64)
+        params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    rng = np.random.default_rng(seed)
+    return cfg, params, [list(rng.integers(0, cfg.vocab_size, size=n)) for n in (40, 70)]
+
+
 @pytest.mark.parametrize("opts", [dict(alpha_high=1.0, alpha_low=0.05),
                                   dict(high_frac=0.5, low_frac=0.3)],
                          ids=["thresholds", "fixed-mix"])
@@ -63,14 +78,8 @@ def test_decision_in_the_write_kernel_gives_the_same_state(tiny_model, opts, com
 
     from diffkv_jax.engine import Engine
     from diffkv_jax.generation import SamplingParams
-    from models.llama import init_params
 
-    cfg, params = tiny_model
-    if compiled:
-        cfg = dataclasses.replace(cfg, head_dim=64)
-        params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
-    rng = np.random.default_rng(6)
-    prompts = [list(rng.integers(0, cfg.vocab_size, size=n)) for n in (40, 70)]
+    cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=6)
     # (the compiled decode kernel needs pages of at least 16 tokens, its smallest dot tile)
     xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16 if compiled else 8,
                       window=8, attention_impl="pallas", write_impl="pallas", decide_impl="xla",
@@ -149,18 +158,10 @@ def test_merge_in_the_policy_launch_serves_the_same_tokens(tiny_model, compiled)
     # merge_impl="pallas": the policy launch merges the attention partials and the
     # token being decoded itself. Equal up to rounding (an online merge), so the
     # greedy tokens match and the scores agree closely.
-    import jax
-
     from diffkv_jax.engine import Engine
     from diffkv_jax.generation import SamplingParams
-    from models.llama import init_params
 
-    cfg, params = tiny_model
-    if compiled:
-        cfg = dataclasses.replace(cfg, head_dim=64)
-        params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
-    rng = np.random.default_rng(8)
-    prompts = [list(rng.integers(0, cfg.vocab_size, size=n)) for n in (40, 70)]
+    cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=8)
     xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16 if compiled else 8,
                       window=8, attention_impl="pallas", alpha_high=1.0, alpha_low=0.05)
     fused = dataclasses.replace(xla, merge_impl="pallas")
