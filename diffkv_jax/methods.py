@@ -62,7 +62,7 @@ def _diffkv_cache(cfg: ModelConfig, *, max_seqs: int, max_context: int, page_siz
     impl = options.pop("attention_impl", "reference")
     writes = options.pop("write_impl", "auto")
     decide = options.pop("decide_impl", "auto")
-    merge = options.pop("merge_impl", "xla")
+    merge = options.pop("merge_impl", "auto")
     policy = DiffKVPolicy(**options)
     return DiffKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                        max_context=max_context, policy=policy,
@@ -179,9 +179,10 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     ``write_impl`` ("auto", "xla" or "pallas": how decode writes its tokens; "auto"
     is the kernel on the GPU kernel path), ``decide_impl`` ("auto", "xla" or "pallas":
     the decode decision as XLA ops or inside the token-writes launch; "auto" is the
-    launch where the fused writes run compiled on a GPU), ``merge_impl`` ("xla" or
-    "pallas": the merge of the attention kernel's partials as XLA segment reductions
-    or inside the policy kernel's launch).
+    launch where the fused writes run compiled on a GPU), ``merge_impl`` ("auto", "xla"
+    or "pallas": the merge of the attention kernel's partials as XLA segment reductions
+    or inside the policy kernel's launch; "auto" is the launch where the kernels run
+    compiled on a GPU).
     ``int8`` / ``k8v4``: the diffkv options except the ones that define them
     (``high``, ``low``, ``low_tier``, ``alpha_low``).
     ``h2o`` / ``streamingllm`` / ``snapkv`` (token eviction, every kept token K8V8):

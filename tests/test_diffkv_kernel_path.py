@@ -163,9 +163,12 @@ def test_merge_in_the_policy_launch_serves_the_same_tokens(tiny_model, compiled)
 
     cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=8)
     xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16 if compiled else 8,
-                      window=8, attention_impl="pallas", alpha_high=1.0, alpha_low=0.05)
+                      window=8, attention_impl="pallas", alpha_high=1.0, alpha_low=0.05,
+                      merge_impl="xla")
     fused = dataclasses.replace(xla, merge_impl="pallas")
     assert fused.merges_in_policy and not xla.merges_in_policy
+    # The default merges in the policy launch where the kernels run compiled.
+    assert dataclasses.replace(xla, merge_impl="auto").merges_in_policy == compiled
     runs = []
     for m in (xla, fused):
         eng = Engine(cfg, params, m, num_pages=2 * m.pages_for_tokens(128) + 64)
