@@ -71,9 +71,11 @@ def print_kernel_times(title: str, rows, busy_ms: float, wall_ms: float, top: in
 #: Kernel-name fragments -> step part, first match wins. XLA names its fusions by
 #: their root operation, so the split is by kind of work, not by source line:
 #: "matmuls" are the projections, MLP and logits; "cache writes" the scatters
-#: (page writes, and DiffKV's demotions and side-array updates); "other" holds
-#: norms, RoPE, sampling and the page allocation (compaction).
+#: (page writes, and DiffKV's demotions and side-array updates) and the Pallas
+#: token-writes launches; "other" holds norms, RoPE, sampling and the page
+#: allocation (compaction).
 PARTS = (("paged_decode", "attention kernel"), ("policy_scores", "policy kernel"),
+         ("token_writes", "cache writes"), ("decide_and_write", "cache writes"),
          ("gemm", "matmuls"), ("cublas", "matmuls"), ("dot", "matmuls"),
          ("scatter", "cache writes"), ("memcpy", "copies"))
 
