@@ -152,15 +152,25 @@ def test_full_cache_rejects_unknown_attention_impl():
                     attention_impl="fast")
 
 
+def _serve(cfg, params, method, prompts, max_new: int, steps: int):
+    """``steps`` engine steps over ``prompts``: (outputs, scores, memory stats)."""
+    from diffkv_jax.engine import Engine
+    from diffkv_jax.generation import SamplingParams
+
+    eng = Engine(cfg, params, method, num_pages=2 * method.pages_for_tokens(128) + 64)
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=max_new)) for p in prompts]
+    for _ in range(steps):
+        eng.step()
+    return ([eng.requests[i].output for i in ids], np.asarray(eng.state.scores),
+            method.memory_stats(eng.state))
+
+
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
                          ids=["here", "gpu"])
 def test_merge_in_the_policy_launch_serves_the_same_tokens(tiny_model, compiled):
     # merge_impl="pallas": the policy launch merges the attention partials and the
     # token being decoded itself. Equal up to rounding (an online merge), so the
     # greedy tokens match and the scores agree closely.
-    from diffkv_jax.engine import Engine
-    from diffkv_jax.generation import SamplingParams
-
     cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=8)
     xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16 if compiled else 8,
                       window=8, attention_impl="pallas", alpha_high=1.0, alpha_low=0.05,
@@ -169,14 +179,7 @@ def test_merge_in_the_policy_launch_serves_the_same_tokens(tiny_model, compiled)
     assert fused.merges_in_policy and not xla.merges_in_policy
     # The default merges in the policy launch where the kernels run compiled.
     assert dataclasses.replace(xla, merge_impl="auto").merges_in_policy == compiled
-    runs = []
-    for m in (xla, fused):
-        eng = Engine(cfg, params, m, num_pages=2 * m.pages_for_tokens(128) + 64)
-        ids = [eng.add_request(p, SamplingParams(max_new_tokens=40)) for p in prompts]
-        for _ in range(30):
-            eng.step()
-        runs.append(([eng.requests[i].output for i in ids], np.asarray(eng.state.scores),
-                     m.memory_stats(eng.state)))
+    runs = [_serve(cfg, params, m, prompts, max_new=40, steps=30) for m in (xla, fused)]
     assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
     assert runs[0][2]["frac_low"] > 0
     np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-4, atol=1e-5)
@@ -191,23 +194,13 @@ def test_merge_in_the_policy_launch_serves_eviction_baselines_the_same(tiny_mode
                                                                        compiled):
     # The eviction baselines (one K8V8 tier, victims evicted) take the same merge
     # where the kernels run compiled: same greedy tokens, close scores, tokens evicted.
-    from diffkv_jax.engine import Engine
-    from diffkv_jax.generation import SamplingParams
-
     cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=9)
     keep = dict(budget=32, window=8) if rule == "h2o" else dict(budget=32)
     xla = make_method(rule, cfg, max_seqs=2, max_context=128, page_size=16 if compiled else 8,
                       attention_impl="pallas", merge_impl="xla", **keep)
     fused = dataclasses.replace(xla, merge_impl="pallas")
     assert fused.merges_in_policy and not xla.merges_in_policy
-    runs = []
-    for m in (xla, fused):
-        eng = Engine(cfg, params, m, num_pages=2 * m.pages_for_tokens(128) + 64)
-        ids = [eng.add_request(p, SamplingParams(max_new_tokens=30)) for p in prompts]
-        for _ in range(25):
-            eng.step()
-        runs.append(([eng.requests[i].output for i in ids], np.asarray(eng.state.scores),
-                     m.memory_stats(eng.state)))
+    runs = [_serve(cfg, params, m, prompts, max_new=30, steps=25) for m in (xla, fused)]
     assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 15
     assert runs[0][2]["frac_pruned"] > 0.3
     # Rounding-level differences in a layer's output can move a later token's 8-bit
