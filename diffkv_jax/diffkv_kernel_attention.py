@@ -40,9 +40,18 @@ def work_items(S: int, H: int) -> int:
     return S * H + 1
 
 
-def _launch(emit_logits: bool) -> pdk.LaunchConfig:
-    return pdk.LaunchConfig(dot_dtype="float16" if backend.on_gpu() else "float32",
-                            emit_logits=emit_logits)
+#: Page lanes of the quantized launches by head dim (``LaunchConfig.page_lanes``),
+#: as measured on the H200 (docs/benchmarks.md 3.0.0a): two lanes take a
+#: Llama3-8B batch of 128 x 4K from 0.300 to 0.263 ms at the 50/50 tier mix; at
+#: head dim 64 (SmolLM2) lanes slow the K4V2 pages down more than they speed the
+#: K8V4 ones up.
+PAGE_LANES = {128: 2}
+
+
+def _launch(emit_logits: bool, head_dim: int = 0) -> pdk.LaunchConfig:
+    gpu = backend.on_gpu()
+    return pdk.LaunchConfig(dot_dtype="float16" if gpu else "float32", emit_logits=emit_logits,
+                            page_lanes=PAGE_LANES.get(head_dim, 1) if gpu else 1)
 
 
 def _grouped_query(q, H: int):
@@ -153,7 +162,7 @@ def _tier_partials(method, state, layer, q, n_hi: int, n_lo: int, work: pdk.Work
         pages.append(rows[:, :, cols])
         tiers.append(pdk.TierInput(fmt, keys, values, (state.k_meta, state.v_meta), pages[-1],
                                    state.n_tok[:S, layer, :, tier]))
-    parts = pdk.paged_decode_partials(qg, tiers, group=G, cfg=_launch(True), work=work,
+    parts = pdk.paged_decode_partials(qg, tiers, group=G, cfg=_launch(True, D), work=work,
                                       padded_stats=padded_stats)
     return qg, parts, pages
 

@@ -4,9 +4,11 @@ One program per work item covers the whole GQA group (the query rows of one
 KV head, padded to the 16 rows of the smallest dot tile on the GPU) over a
 range of the row's pages: the row's tiers are laid end to end (DiffKV's high
 pages, then its low pages), walked one page per step with one online softmax
-across tiers. :func:`plan_work` cuts the rows into items of at most the same
-number of pages on the device, so ragged rows keep every program equally
-busy; :func:`even_work` gives each row a fixed number of equal splits.
+across tiers (with ``LaunchConfig.page_lanes``, several pages per step, one
+per copy of the group in the padded rows). :func:`plan_work` cuts the rows
+into items of at most the same number of pages on the device, so ragged rows
+keep every program equally busy; :func:`even_work` gives each row a fixed
+number of equal splits.
 
 Keys enter the ``q . k`` dot as integer codes and the per-token scale/zero
 are applied to the logits; values likewise through the probabilities:
@@ -148,10 +150,34 @@ class LaunchConfig:
     # Rescale the accumulators only when a row's running max grew by more than
     # RESCALE_SLACK (a branch); False rescales on every page (no branch).
     lazy_rescale: bool = True
+    # Quantized tiers: pages per loop step, one per lane of query rows. The dot
+    # tile has 16 rows and a GQA group fills only a few (4 of Llama3-8B's), so
+    # the idle rows take the group again, each copy over its own page: the
+    # softmax then runs on real rows only and one step walks several pages.
+    # The lanes of a group are merged exactly at the end of the program. The
+    # count used is the largest power of two <= this that fits the padded rows.
+    page_lanes: int = 1
+    # Tiers of longer pages (K4V2's 64 slots) are walked one page per step by the
+    # first lane's rows: measured on the H200, their loop slows down with lanes.
+    lane_slots: int = 32
 
     def __post_init__(self):
         if self.dot_dtype not in ("float16", "float32"):
             raise ValueError(f"dot_dtype must be 'float16' or 'float32', got {self.dot_dtype!r}")
+        if self.page_lanes < 1:
+            raise ValueError(f"page_lanes must be >= 1, got {self.page_lanes}")
+        if self.page_lanes > 1 and self.sub_slots:
+            raise ValueError("page_lanes and sub_slots cannot be combined")
+
+    def lanes(self, padded_rows: int, group: int) -> int:
+        """Page lanes of a launch whose queries have ``padded_rows`` rows of which
+        ``group`` are real: the largest power of two <= ``page_lanes`` whose lanes of
+        ``padded_rows / lanes`` rows each hold the group."""
+        n = 1
+        while (2 * n <= self.page_lanes and padded_rows % (2 * n) == 0
+               and padded_rows // (2 * n) >= group):
+            n *= 2
+        return n
 
 
 def pack_meta(scale: jax.Array, zero: jax.Array) -> jax.Array:
@@ -177,7 +203,8 @@ def unpack_meta_f32(word: jax.Array) -> tuple[jax.Array, jax.Array]:
             half(word >> jnp.uint32(16)).astype(jnp.float32))
 
 
-def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: bool):
+def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
+            interpret: bool):
     n_t = len(tiers)
     items_ref, q_ref, tier_refs = refs[0], refs[1], refs[2:2 + 6 * n_t]
     o_ref, m_ref, l_ref = refs[2 + 6 * n_t:5 + 6 * n_t]
@@ -194,12 +221,18 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
     magic = cfg.dot_dtype == "float16"
     qdt = jnp.float16 if magic else jnp.float32
     row_iota = lax.broadcasted_iota(jnp.int32, (Gp,), 0)
+    # Page lanes (LaunchConfig.page_lanes): row r * Gl + g holds query g of the
+    # group for lane r, which walks its own pages.
+    n_lanes = cfg.lanes(Gp, group) if all(f.quantized for f in tiers) else 1
+    Gl = Gp // n_lanes
+    lane_of_row = row_iota // Gl
 
     # Logits in log2 units so the softmax is a bare exp2.
     qscale = LOG2E / math.sqrt(D)
 
     def q_part(start, width, dtype):
-        q = q_ref[s_i, h_i, :, pl.ds(start, width)]
+        rows = slice(None) if n_lanes == 1 else row_iota % Gl
+        q = q_ref[s_i, h_i, rows, pl.ds(start, width)]
         return (q.astype(jnp.float32) * qscale).astype(dtype)
 
     def store_rows(ref, lead, cols, x):
@@ -217,6 +250,24 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
 
     def store_logits(s_ref, col, s):
         store_rows(s_ref, (s_i, h_i), pl.ds(col, s.shape[1]), s)
+
+    def store_lane_logits(s_ref, s, tok, row_live, lanes):
+        """Each lane's rows to its page's columns (``tok`` the tier token of every
+        element); lanes past the item's pages (``row_live`` False) and padded group
+        rows store nothing. ``lanes``: per lane (live, first token) for interpret mode."""
+        stored, cols = s_ref.shape[2], s_ref.shape[3]
+        g = row_iota % Gl
+        if interpret:  # sequential programs: a read-modify-write per lane
+            width = s.shape[1]
+            for r, (live, col) in enumerate(lanes):
+                win = (s_i, h_i, pl.ds(0, Gl), pl.ds(col, width))
+                s_ref[win] = jnp.where(live, s[r * Gl:(r + 1) * Gl], s_ref[win])
+            return
+        from jax.experimental.pallas import triton as plgpu
+
+        rows = jnp.broadcast_to(jnp.minimum(g, stored - 1)[:, None], s.shape)
+        mask = (row_live & (g < stored))[:, None] & (tok < cols)
+        plgpu.store(s_ref.at[s_i, h_i, rows, jnp.minimum(tok, cols - 1)], s, mask=mask)
 
     def rescale(s, carry):
         """Raise the running max to this page's only when it grew by more than
@@ -278,7 +329,10 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
                 s = acc * ks[None, :] + q_sum[:, None] * kz[None, :]
             else:
                 s = backend.dot(q_full, k_ref[page].astype(pdt), trans_b=True)
-            s = jnp.where(valid[None, :], s, NEG_INF)
+            live = valid[None, :]
+            if n_lanes > 1:  # a tier of longer pages: lane 0's rows alone walk them
+                live = live & (lane_of_row == 0)[:, None]
+            s = jnp.where(live, s, NEG_INF)
             if s_ref is not None:
                 store_logits(s_ref, j * cap, s)
             accs, m, l, r, z = rescale(s, carry)
@@ -304,6 +358,61 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
                     out[i] = backend.dot_acc(out[i], pv, vp, trans_b=True)
             return out, m, l, r, z
 
+        def lane_body(j, carry):
+            """One step over ``n_lanes`` pages: lane r takes page first + j * n_lanes + r."""
+            base = first + j * n_lanes
+            lane_page = [pages_ref[s_i, h_i, jnp.minimum(base + r, last - 1)]
+                         for r in range(n_lanes)]
+            lane_col = lane_of_row[:, None]
+            tok = (base + lane_of_row)[:, None] * cap + col_iota[None, :]  # tier token index
+            valid = tok < jnp.minimum(n_tok, last * cap)
+            kw, vw = fmt.key_width, fmt.value_width
+            acc = None
+            for r in range(n_lanes):  # lane r's rows take the dot with its own page
+                kb = k_ref[lane_page[r], pl.ds(0, cap), :]
+                k_parts = (magic_slices(kb, fmt.k_bits, interpret=interpret) if magic
+                           else exact_slices(kb, fmt.k_bits, jnp.float32))
+                d = None
+                for qs, kp in zip(q_slices, k_parts):
+                    d = (backend.dot(qs, kp, trans_b=True) if d is None
+                         else backend.dot_acc(d, qs, kp, trans_b=True))
+                acc = d if acc is None else jnp.where(lane_col == r, d, acc)
+            # Each row's metadata words, gathered from its lane's page.
+            page_row = lane_page[0]
+            for r in range(1, n_lanes):
+                page_row = jnp.where(lane_of_row == r, lane_page[r], page_row)
+            ks, kz = unpack_meta_f32(km_ref[page_row, pl.ds(0, cap)])
+            if magic:
+                kz = kz - MAGIC * ks
+            s = acc * ks + q_sum[:, None] * kz
+            s = jnp.where(valid, s, NEG_INF)
+            if s_ref is not None:
+                store_lane_logits(s_ref, s, tok, base + lane_of_row < last,
+                                  [(base + r < last, jnp.minimum(base + r, last - 1) * cap)
+                                   for r in range(n_lanes)])
+            accs, m, l, r_acc, z = rescale(s, carry)
+            p = jnp.exp2(s - m[:, None])
+            l = l + jnp.sum(p, axis=1)
+            vs, vz = unpack_meta_f32(vm_ref[page_row, pl.ds(0, cap)])
+            pv = (p * vs).astype(qdt)
+            if magic:
+                r_acc = backend.dot_acc(r_acc, pv, jnp.ones((RW, cap), qdt), trans_b=True)
+            z = z + jnp.sum(p * vz, axis=1)
+            out = list(accs)
+            for r in range(n_lanes):
+                pv_r = jnp.where(lane_col == r, pv, jnp.zeros_like(pv))
+                for rb in range(vw // w):
+                    vb = v_ref[lane_page[r], pl.ds(kw + rb * w, w), pl.ds(0, cap)]
+                    v_parts = (magic_slices(vb, fmt.v_bits, interpret=interpret) if magic
+                               else exact_slices(vb, fmt.v_bits, jnp.float32))
+                    for sl, vp in enumerate(v_parts):
+                        i = (sl * vw + rb * w) // w
+                        out[i] = backend.dot_acc(out[i], pv_r, vp, trans_b=True)
+            return out, m, l, r_acc, z
+
+        if n_lanes > 1 and cap <= cfg.lane_slots:
+            steps = (last - first + n_lanes - 1) // n_lanes
+            return lax.fori_loop(0, steps, lane_body, carry), offset + row_pages
         return (lax.fori_loop(first * n_sub, last * n_sub, body, carry),
                 offset + row_pages)
 
@@ -318,10 +427,34 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, interpret: 
     # Every tier's values carry the same offset terms: o = acc - 1024 R + Z (every
     # column of the R tile holds the same row sums).
     corr_o = z - MAGIC * jnp.max(r, axis=1) if magic else z
-    for i, o in enumerate(accs):
-        store_rows(o_ref, (), pl.ds(i * w, w), o + corr_o[:, None])
+    outs = [o + corr_o[:, None] for o in accs]
+    if n_lanes > 1:
+        m, l, outs = _merge_lanes(m, l, outs, n_lanes)
+    for i, o in enumerate(outs):
+        store_rows(o_ref, (), pl.ds(i * w, w), o)
     m_ref[...] = m * LN2  # natural units outside the kernel
     l_ref[...] = l
+
+
+def _merge_lanes(m, l, outs, n_lanes: int):
+    """Exact merge of the page lanes of each group row (rows ``r * Gl + g``), the
+    result broadcast back to every lane's rows (so rows ``g < Gl`` hold it).
+
+    ``m [Gp]`` row maxima (log2 units), ``l [Gp]`` sums, ``outs`` ``[Gp, w]``
+    unnormalized outputs.
+    """
+    Gp = m.shape[0]
+    Gl = Gp // n_lanes
+
+    def spread(x):  # [Gl, ...] -> every lane's rows [Gp, ...]
+        return jnp.broadcast_to(x[None], (n_lanes, *x.shape)).reshape(Gp, *x.shape[1:])
+
+    m_all = spread(jnp.max(m.reshape(n_lanes, Gl), axis=0))
+    c = jnp.exp2(m - m_all)
+    l_all = spread(jnp.sum((l * c).reshape(n_lanes, Gl), axis=0))
+    outs = [spread(jnp.sum((o * c[:, None]).reshape(n_lanes, Gl, o.shape[1]), axis=0))
+            for o in outs]
+    return m_all, l_all, outs
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["items", "seg", "ranges"],
@@ -473,7 +606,7 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
             out_shape.append(jax.ShapeDtypeStruct(shape, jnp.float32))
             out_specs.append(pl.BlockSpec(shape, lambda w: (0, 0, 0, 0)))
     kernel = functools.partial(_kernel, tiers=tuple(t.fmt for t in tiers), cfg=cfg,
-                               interpret=interpret)
+                               group=G, interpret=interpret)
     name = "paged_decode_" + "_".join(f"k{t.fmt.k_bits}v{t.fmt.v_bits}" for t in tiers)
     outs = pl.pallas_call(
         kernel, grid=(N,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

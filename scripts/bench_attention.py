@@ -71,7 +71,7 @@ def main() -> int:
         mix = "bf16" if v == "ours-bf16" else v
         tiers, nbytes = random_case(jax.random.fold_in(key, index), mix, S, H, D,
                                     N)
-        cfg = _launch(emit_logits=mix.startswith("diffkv"))
+        cfg = _launch(emit_logits=mix.startswith("diffkv"), head_dim=D)
 
         @jax.jit
         def ours(qg, tiers, cfg=cfg):

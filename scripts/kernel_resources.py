@@ -44,10 +44,17 @@ def strip_locations(ir: str) -> str:
 
 def ptxas_report(triton_module, ptx_path: str) -> tuple[int, int]:
     """(registers, spill-store bytes) from the ``ptxas`` bundled with ``triton``."""
-    ptxas = os.path.join(os.path.dirname(triton_module.__file__), "backends", "nvidia", "bin",
-                         "ptxas")
-    rep = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull],
-                         capture_output=True, text=True).stderr
+    bin_dir = os.path.join(os.path.dirname(triton_module.__file__), "backends", "nvidia", "bin")
+    rep = ""
+    # Some triton releases emit PTX newer than their sm_90 ptxas reads; the bundled
+    # Blackwell ptxas (a newer CUDA) also compiles for sm_90a.
+    for name in ("ptxas", "ptxas-blackwell"):
+        path = os.path.join(bin_dir, name)
+        if os.path.exists(path):
+            rep = subprocess.run([path, "-arch=sm_90a", "-v", ptx_path, "-o", os.devnull],
+                                 capture_output=True, text=True).stderr
+            if "Used" in rep:
+                break
     regs = re.search(r"Used (\d+) registers", rep)
     spill = re.search(r"(\d+) bytes spill stores", rep)
     return (int(regs.group(1)) if regs else -1), (int(spill.group(1)) if spill else -1)
@@ -113,6 +120,7 @@ def main() -> int:
     p.add_argument("--warps", default="1,2")
     p.add_argument("--stages", default="3")
     p.add_argument("--sub", default="0", help="LaunchConfig.sub_slots values (0: whole pages)")
+    p.add_argument("--lanes", default="1", help="LaunchConfig.page_lanes values")
     p.add_argument("--out", default="results/ttir")
     p.add_argument("--opcodes", type=int, default=0, help="also print each loop's N most "
                    "common opcodes (static counts: a rarely taken branch, such as the lazy "
@@ -133,9 +141,10 @@ def main() -> int:
     D, G = args.head_dim, args.group
     print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
           f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
-    for spec, warps, stages, sub in itertools.product(
+    for spec, warps, stages, sub, lanes in itertools.product(
             args.tiers.split(","), [int(x) for x in args.warps.split(",")],
-            [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")]):
+            [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")],
+            [int(x) for x in args.lanes.split(",")]):
         tiers, caps = [], []
         for part in spec.split("+"):
             kb, vb, cap = (int(x) for x in part.split("-"))
@@ -149,15 +158,23 @@ def main() -> int:
                 meta = (jnp.zeros((8, 64), jnp.uint32),) * 2
                 tiers.append(pdk.TierInput(fmt, kv, vv, meta, pages, ntok))
             caps.append(min(cap, sub) if sub and kb < 16 else cap)  # tokens per loop step
-        cfg = pdk.LaunchConfig(num_warps=warps, num_stages=stages, sub_slots=sub)
+        if lanes > 1 and (sub or "16-16" in spec):
+            continue
+        cfg = pdk.LaunchConfig(num_warps=warps, num_stages=stages, sub_slots=sub,
+                               page_lanes=lanes)
+        n_lanes = cfg.lanes(16, G)
+        if n_lanes > 1:  # tiers of pages up to lane_slots walk a page per lane per step
+            caps = [c * n_lanes if c <= cfg.lane_slots else c for c in caps]
         q = jnp.zeros((1, 1, 16, D), jnp.bfloat16)
         fn = jax.jit(lambda q: pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg,
                                                          interpret=False))
-        name = f"{spec.replace('+', '_')}_w{warps}_st{stages}" + (f"_sub{sub}" if sub else "")
+        name = (f"{spec.replace('+', '_')}_w{warps}_st{stages}" + (f"_sub{sub}" if sub else "")
+                + (f"_lanes{n_lanes}" if n_lanes > 1 else ""))
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
             fh.write(strip_locations(triton_ir(fn, q)))
-        line = f"{spec + (f' /{sub}' if sub else ''):24s} {warps:2d} {stages:2d}"
+        label = spec + (f" /{sub}" if sub else "") + (f" x{n_lanes}" if n_lanes > 1 else "")
+        line = f"{label:24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")
             continue

@@ -33,6 +33,9 @@ def main() -> int:
     p.add_argument("--logits", default="1", help="1 = emit the policy's logits")
     p.add_argument("--sub", default="0", help="slots per loop step (LaunchConfig.sub_slots; "
                    "0 = whole pages)")
+    p.add_argument("--lanes", default="1", help="pages per loop step (LaunchConfig.page_lanes)")
+    p.add_argument("--work", action="store_true", help="launch over balanced work items "
+                   "(plan_work, as the caches do) instead of even splits")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -40,6 +43,7 @@ def main() -> int:
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
+    from diffkv_jax.diffkv_kernel_attention import work_items
     from pallas_kernels import paged_decode as pdk
     from scripts.decode_cases import SHAPES, case_reference, copy_bandwidth, random_case, time_ms
 
@@ -70,19 +74,30 @@ def main() -> int:
         small, _ = random_case(jax.random.fold_in(key, 7), mix, 2, H, D, min(N, 1024))
         ref = case_reference(q[:2, :, :G], small)
         rout = pdk.merge_partials([r[:3] for r in ref])[0]
-        for warps, stages, splits, lazy, lg, sub in itertools.product(
+        for warps, stages, splits, lazy, lg, sub, lanes in itertools.product(
                 *(list(map(int, a.split(","))) for a in (args.warps, args.stages, args.splits,
-                                                         args.lazy, args.logits, args.sub))):
+                                                         args.lazy, args.logits, args.sub,
+                                                         args.lanes))):
+            if lanes > 1 and (sub or mix == "bf16"):
+                continue
             cfg = pdk.LaunchConfig(num_splits=splits, num_warps=warps, num_stages=stages,
                                    lazy_rescale=bool(lazy), emit_logits=bool(lg),
-                                   sub_slots=sub)
-            fn = jax.jit(lambda q, tiers, cfg=cfg: pdk.paged_decode_partials(
-                q, tiers, group=G, cfg=cfg))
+                                   sub_slots=sub, page_lanes=lanes)
+
+            @jax.jit
+            def fn(q, tiers, cfg=cfg):
+                if not args.work:
+                    o, m, l, lg = pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg)
+                    return pdk.merge_partials([(o, m, l)])[0], lg
+                rows = q.shape[0]
+                work = pdk.plan_work(pdk.row_pages(tiers), work_items(rows, H))
+                o, m, l, lg = pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg, work=work)
+                return pdk.merge_work(o, m, l, work, rows, H)[0], lg
+
             name = (f"{mix:13s} w={warps} st={stages} sp={splits} lazy={lazy} logits={lg} "
-                    f"sub={sub}")
+                    f"sub={sub} lanes={lanes}")
             try:
-                o, m, l, _ = fn(q[:2], small)
-                out = pdk.merge_partials([(o, m, l)])[0]
+                out = fn(q[:2], small)[0]
                 err = float(jnp.abs(out[:, :, :G] - rout).max() / jnp.abs(rout).max())
                 ms = time_ms(fn, q, tiers)
             except Exception as e:  # report and keep sweeping
@@ -91,7 +106,7 @@ def main() -> int:
                 continue
             tb = nbytes / (ms * 1e-3) / 1e12
             rows.append(dict(mix=mix, warps=warps, stages=stages, splits=splits, lazy=lazy,
-                             logits=lg, sub=sub, ms=ms, tbps=tb, err=err,
+                             logits=lg, sub=sub, lanes=lanes, ms=ms, tbps=tb, err=err,
                              speedup_vs_jax=jax_ms / ms))
             print(f"{name}: {ms:7.3f} ms {tb:5.2f} TB/s ({tb / bw:4.0%} copy) "
                   f"{jax_ms / ms:5.2f}x jax  rel.err {err:.1e}", flush=True)
@@ -106,7 +121,8 @@ def main() -> int:
         if cands:
             b = min(cands, key=lambda r: r["ms"])
             print(f"  {mix:13s} {b['ms']:.3f} ms {b['tbps']:.2f} TB/s {b['speedup_vs_jax']:.2f}x "
-                  f"w={b['warps']} st={b['stages']} sp={b['splits']} lazy={b['lazy']} sub={b['sub']}")
+                  f"w={b['warps']} st={b['stages']} sp={b['splits']} lazy={b['lazy']} sub={b['sub']} "
+                  f"lanes={b['lanes']}")
     return 0
 
 

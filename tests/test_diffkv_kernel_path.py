@@ -206,3 +206,34 @@ def test_merge_in_the_policy_launch_serves_eviction_baselines_the_same(tiny_mode
     # Rounding-level differences in a layer's output can move a later token's 8-bit
     # code by one step, and with it that token's probabilities by ~1e-3 afterwards.
     np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=2e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_page_lanes_decode_like_one_lane_on_gpu(tiny_model, monkeypatch):
+    # At head dim 128 the DiffKV launches walk two K8V4 pages per loop step
+    # (LaunchConfig.page_lanes, diffkv_kernel_attention.PAGE_LANES): teacher-forced
+    # likelihoods and the tier mix match the one-lane launch, and the jnp path.
+    import jax
+
+    from diffkv_jax import diffkv_kernel_attention as dka
+    from models.llama import init_params
+
+    cfg = dataclasses.replace(tiny_model[0], head_dim=128)
+    params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    rng = np.random.default_rng(11)
+    docs = [list(rng.integers(0, cfg.vocab_size, size=100)) for _ in range(2)]
+    ref = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16,
+                      alpha_high=1.0, alpha_low=0.05, window=8)
+    ker = dataclasses.replace(ref, attention_impl="pallas")
+    runs = []
+    for lanes in ({128: 2}, {}):
+        monkeypatch.setattr(dka, "PAGE_LANES", lanes)
+        jax.clear_caches()  # the launch settings are read when the step is traced
+        runs.append(score_teacher_forced(cfg, params, ker, docs, 20, progress=False))
+    plain = score_teacher_forced(cfg, params, ref, docs, 20, progress=False)
+    for other in (runs[1], plain):
+        assert np.abs(runs[0].nll - other.nll).max() < 2e-2
+        assert (runs[0].argmax == other.argmax).mean() > 0.95
+        for key in ("frac_high", "frac_low", "frac_pruned"):
+            assert abs(runs[0].memory[key] - other.memory[key]) < 0.02
+    assert runs[0].memory["frac_low"] > 0

@@ -57,7 +57,7 @@ TIER_SETS = {
 
 
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
-                 seed=0, work_items=None, sub_slots=0):
+                 seed=0, work_items=None, sub_slots=0, page_lanes=1):
     """``work_items``: launch over :func:`pdk.plan_work` items (rows 1 and 4 inactive)
     instead of ``splits`` even splits per row."""
     rng = np.random.default_rng(seed)
@@ -69,7 +69,7 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
         refs.append((kh, vh, tier.n_tok))
     q = jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32)
     cfg = pdk.LaunchConfig(num_splits=splits, dot_dtype=dot_dtype, lazy_rescale=lazy,
-                           sub_slots=sub_slots)
+                           sub_slots=sub_slots, page_lanes=page_lanes)
     qk = q if pad is None else pdk.pad_group(q, pad)
     active = np.ones(S, bool)
     work = None
@@ -176,6 +176,31 @@ def test_pages_walked_in_parts_match_reference(tier_set, sub, work_items):
                  sub_slots=sub, seed=sub + 1)
 
 
+@pytest.mark.parametrize("tier_set", ["k8v4+k4v2", "k8v4+k4v2 wide", "k2v2"])
+@pytest.mark.parametrize("D,G,lanes", [(64, 3, 4), (128, 4, 2), (64, 8, 2), (64, 1, 4)])
+@pytest.mark.parametrize("work_items", [None, 16])
+def test_page_lanes_match_reference(tier_set, D, G, lanes, work_items):
+    # LaunchConfig.page_lanes: the 16 padded query rows hold the group once per lane,
+    # each lane over its own pages, merged exactly at the end of the program; items
+    # whose pages do not fill the last step leave lanes idle; the wide set's 64-slot
+    # tier is walked by lane 0's rows alone (LaunchConfig.lane_slots).
+    splits = 1 if work_items else 2
+    check_kernel(tier_set, D, G, splits, interpret=True, dot_dtype="float32", tol=1e-4,
+                 pad=16, page_lanes=lanes, work_items=work_items, seed=lanes + G)
+    if work_items is None:  # the float16 magic-code path, rescaling on every page
+        check_kernel(tier_set, D, G, splits, interpret=True, dot_dtype="float16", tol=3e-3,
+                     pad=16, page_lanes=lanes, seed=lanes + G + 1, lazy=False)
+
+
+def test_page_lanes_fit_the_padded_rows():
+    cfg = pdk.LaunchConfig(page_lanes=4)
+    assert [cfg.lanes(16, g) for g in (1, 3, 4, 5, 8, 16)] == [4, 4, 4, 2, 2, 1]
+    assert pdk.LaunchConfig(page_lanes=8).lanes(16, 1) == 8
+    assert cfg.lanes(4, 4) == 1 and cfg.lanes(6, 3) == 2
+    with pytest.raises(ValueError, match="sub_slots"):
+        pdk.LaunchConfig(page_lanes=2, sub_slots=16)
+
+
 def test_group_padding_does_not_change_results():
     check_kernel("k8v4+k4v2", 64, 3, 2, interpret=True, dot_dtype="float32", tol=1e-4, pad=16)
 
@@ -218,6 +243,16 @@ def test_compiled_kernel_matches_reference_on_gpu(tier_set, D, G, splits, lazy):
 def test_compiled_work_list_launch_matches_reference_on_gpu(tier_set, D, G, work_items):
     check_kernel(tier_set, D, G, 1, interpret=False, dot_dtype="float16", tol=3e-2, pad=16,
                  work_items=work_items, seed=work_items)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier_set", ["k8v4+k4v2", "k8v4+k4v2 wide", "k4v4", "k2v2"])
+@pytest.mark.parametrize("D,G,lanes", [(64, 3, 4), (128, 4, 4), (128, 4, 2), (64, 8, 2),
+                                       (64, 1, 4)])
+@pytest.mark.parametrize("work_items", [None, 16])
+def test_compiled_page_lanes_match_reference_on_gpu(tier_set, D, G, lanes, work_items):
+    check_kernel(tier_set, D, G, 1 if work_items else 2, interpret=False, dot_dtype="float16",
+                 tol=3e-2, pad=16, page_lanes=lanes, work_items=work_items, seed=lanes + G)
 
 
 @pytest.mark.gpu
