@@ -300,7 +300,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         col_iota = lax.broadcasted_iota(jnp.int32, (cap,), 0)
 
         if fmt.quantized:
-            kw, vw = fmt.key_width, fmt.value_width
+            kw = fmt.key_width
             nk = 8 // fmt.k_bits
             q_slices = [q_part(i * kw, kw, qdt) for i in range(nk)]
             # Sum of the rounded query, so the 1024 offsets cancel exactly.
@@ -309,6 +309,31 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             pdt = k_ref.dtype
             q_full = q_part(0, D, pdt)
 
+        def key_dot(page, at):
+            """``q . codes`` over ``cap`` key slots of a page from ``at`` ([Gp, cap] f32)."""
+            kb = k_ref[page, pl.ds(at, cap), :]  # [cap, kw] codes
+            k_parts = (magic_slices(kb, fmt.k_bits, interpret=interpret) if magic
+                       else exact_slices(kb, fmt.k_bits, jnp.float32))
+            acc = None
+            for qs, kp in zip(q_slices, k_parts):
+                acc = (backend.dot(qs, kp, trans_b=True) if acc is None
+                       else backend.dot_acc(acc, qs, kp, trans_b=True))
+            return acc
+
+        def value_dots(accs, pv, page, at):
+            """``accs`` plus ``pv . codes`` over the same slots' value codes."""
+            kw, vw = fmt.key_width, fmt.value_width
+            out = list(accs)
+            # Value part i holds dims [i w, (i + 1) w): slice i*w // vw, rows (i*w) % vw.
+            for rb in range(vw // w):
+                vb = v_ref[page, pl.ds(kw + rb * w, w), pl.ds(at, cap)]  # [w, cap] codes
+                v_parts = (magic_slices(vb, fmt.v_bits, interpret=interpret) if magic
+                           else exact_slices(vb, fmt.v_bits, jnp.float32))
+                for sl, vp in enumerate(v_parts):
+                    i = (sl * vw + rb * w) // w
+                    out[i] = backend.dot_acc(out[i], pv, vp, trans_b=True)
+            return out
+
         def body(j, carry):
             if n_sub == 1:
                 page, at = pages_ref[s_i, h_i, j], 0
@@ -316,13 +341,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 page, at = pages_ref[s_i, h_i, j // n_sub], (j % n_sub) * cap
             valid = j * cap + col_iota < n_tok
             if fmt.quantized:
-                kb = k_ref[page, pl.ds(at, cap), :]  # [cap, kw] codes
-                k_parts = (magic_slices(kb, fmt.k_bits, interpret=interpret) if magic
-                           else exact_slices(kb, fmt.k_bits, jnp.float32))
-                acc = None
-                for qs, kp in zip(q_slices, k_parts):
-                    acc = (backend.dot(qs, kp, trans_b=True) if acc is None
-                           else backend.dot_acc(acc, qs, kp, trans_b=True))
+                acc = key_dot(page, at)
                 ks, kz = unpack_meta_f32(km_ref[page, pl.ds(at, cap)])
                 if magic:  # q . (c + 1024) = q . c + 1024 sum(q)
                     kz = kz - MAGIC * ks
@@ -347,16 +366,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 # summed by the tensor cores (a dot with ones) rather than lane by lane
                 r = backend.dot_acc(r, pv, jnp.ones((RW, cap), qdt), trans_b=True)
             z = z + jnp.sum(p * vz[None, :], axis=1)
-            # Value part i holds dims [i w, (i + 1) w): slice i*w // vw, rows (i*w) % vw.
-            out = list(accs)
-            for rb in range(vw // w):
-                vb = v_ref[page, pl.ds(kw + rb * w, w), pl.ds(at, cap)]  # [w, cap] codes
-                v_parts = (magic_slices(vb, fmt.v_bits, interpret=interpret) if magic
-                           else exact_slices(vb, fmt.v_bits, jnp.float32))
-                for sl, vp in enumerate(v_parts):
-                    i = (sl * vw + rb * w) // w
-                    out[i] = backend.dot_acc(out[i], pv, vp, trans_b=True)
-            return out, m, l, r, z
+            return value_dots(accs, pv, page, at), m, l, r, z
 
         def lane_body(j, carry):
             """One step over ``n_lanes`` pages: lane r takes page first + j * n_lanes + r."""
@@ -366,16 +376,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             lane_col = lane_of_row[:, None]
             tok = (base + lane_of_row)[:, None] * cap + col_iota[None, :]  # tier token index
             valid = tok < jnp.minimum(n_tok, last * cap)
-            kw, vw = fmt.key_width, fmt.value_width
             acc = None
             for r in range(n_lanes):  # lane r's rows take the dot with its own page
-                kb = k_ref[lane_page[r], pl.ds(0, cap), :]
-                k_parts = (magic_slices(kb, fmt.k_bits, interpret=interpret) if magic
-                           else exact_slices(kb, fmt.k_bits, jnp.float32))
-                d = None
-                for qs, kp in zip(q_slices, k_parts):
-                    d = (backend.dot(qs, kp, trans_b=True) if d is None
-                         else backend.dot_acc(d, qs, kp, trans_b=True))
+                d = key_dot(lane_page[r], 0)
                 acc = d if acc is None else jnp.where(lane_col == r, d, acc)
             # Each row's metadata words, gathered from its lane's page.
             page_row = lane_page[0]
@@ -398,17 +401,10 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             if magic:
                 r_acc = backend.dot_acc(r_acc, pv, jnp.ones((RW, cap), qdt), trans_b=True)
             z = z + jnp.sum(p * vz, axis=1)
-            out = list(accs)
-            for r in range(n_lanes):
-                pv_r = jnp.where(lane_col == r, pv, jnp.zeros_like(pv))
-                for rb in range(vw // w):
-                    vb = v_ref[lane_page[r], pl.ds(kw + rb * w, w), pl.ds(0, cap)]
-                    v_parts = (magic_slices(vb, fmt.v_bits, interpret=interpret) if magic
-                               else exact_slices(vb, fmt.v_bits, jnp.float32))
-                    for sl, vp in enumerate(v_parts):
-                        i = (sl * vw + rb * w) // w
-                        out[i] = backend.dot_acc(out[i], pv_r, vp, trans_b=True)
-            return out, m, l, r_acc, z
+            for r in range(n_lanes):  # the value dots of lane r's rows alone
+                accs = value_dots(accs, jnp.where(lane_col == r, pv, jnp.zeros_like(pv)),
+                                  lane_page[r], 0)
+            return accs, m, l, r_acc, z
 
         if n_lanes > 1 and cap <= cfg.lane_slots:
             steps = (last - first + n_lanes - 1) // n_lanes

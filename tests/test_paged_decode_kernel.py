@@ -192,6 +192,12 @@ def test_page_lanes_match_reference(tier_set, D, G, lanes, work_items):
                      pad=16, page_lanes=lanes, seed=lanes + G + 1, lazy=False)
 
 
+def test_page_lanes_on_k8v8_pages_match_reference():
+    # The eviction baselines' K8V8 pages take the lanes too (head dim 128 on the GPU).
+    check_kernel("k8v8", 128, 4, 1, interpret=True, dot_dtype="float32", tol=1e-4, pad=16,
+                 page_lanes=2, work_items=16, seed=9)
+
+
 def test_page_lanes_fit_the_padded_rows():
     cfg = pdk.LaunchConfig(page_lanes=4)
     assert [cfg.lanes(16, g) for g in (1, 3, 4, 5, 8, 16)] == [4, 4, 4, 2, 2, 1]
