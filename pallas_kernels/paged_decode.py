@@ -334,6 +334,37 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                     out[i] = backend.dot_acc(out[i], pv, vp, trans_b=True)
             return out
 
+        def tile(x):  # per-slot metadata [cap] as a row of the [Gp, cap] tile
+            return x if x.ndim == 2 else x[None, :]
+
+        def logits(acc, k_words):
+            """The step's logits from ``q . codes`` and the keys' metadata words (one
+            per slot, or one per row and slot)."""
+            ks, kz = unpack_meta_f32(k_words)
+            if magic:  # q . (c + 1024) = q . c + 1024 sum(q)
+                kz = kz - MAGIC * ks
+            return acc * tile(ks) + q_sum[:, None] * tile(kz)
+
+        def softmax(s, live, store, carry):
+            """The step's masked logits (stored for the policy) into the online
+            softmax: ``(p, carry)`` with the sums updated."""
+            s = jnp.where(live, s, NEG_INF)
+            if s_ref is not None:
+                store(s)
+            accs, m, l, r, z = rescale(s, carry)
+            p = jnp.exp2(s - m[:, None])
+            return p, (accs, m, l + jnp.sum(p, axis=1), r, z)
+
+        def value_weights(p, v_words, r, z):
+            """``p * scale`` (the value dots' operand) and the offset terms, from the
+            values' metadata words."""
+            vs, vz = unpack_meta_f32(v_words)
+            pv = (p * tile(vs)).astype(qdt)
+            if magic:  # (p s) . (c + 1024): remove 1024 sum(p s) with the rounded weights,
+                # summed by the tensor cores (a dot with ones) rather than lane by lane
+                r = backend.dot_acc(r, pv, jnp.ones((RW, cap), qdt), trans_b=True)
+            return pv, r, z + jnp.sum(p * tile(vz), axis=1)
+
         def body(j, carry):
             if n_sub == 1:
                 page, at = pages_ref[s_i, h_i, j], 0
@@ -341,31 +372,18 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 page, at = pages_ref[s_i, h_i, j // n_sub], (j % n_sub) * cap
             valid = j * cap + col_iota < n_tok
             if fmt.quantized:
-                acc = key_dot(page, at)
-                ks, kz = unpack_meta_f32(km_ref[page, pl.ds(at, cap)])
-                if magic:  # q . (c + 1024) = q . c + 1024 sum(q)
-                    kz = kz - MAGIC * ks
-                s = acc * ks[None, :] + q_sum[:, None] * kz[None, :]
+                s = logits(key_dot(page, at), km_ref[page, pl.ds(at, cap)])
             else:
                 s = backend.dot(q_full, k_ref[page].astype(pdt), trans_b=True)
             live = valid[None, :]
             if n_lanes > 1:  # a tier of longer pages: lane 0's rows alone walk them
                 live = live & (lane_of_row == 0)[:, None]
-            s = jnp.where(live, s, NEG_INF)
-            if s_ref is not None:
-                store_logits(s_ref, j * cap, s)
-            accs, m, l, r, z = rescale(s, carry)
-            p = jnp.exp2(s - m[:, None])
-            l = l + jnp.sum(p, axis=1)
+            p, (accs, m, l, r, z) = softmax(
+                s, live, lambda s: store_logits(s_ref, j * cap, s), carry)
             if not fmt.quantized:
                 accs = [backend.dot_acc(accs[0], p.astype(pdt), v_ref[page].astype(pdt))]
                 return accs, m, l, r, z
-            vs, vz = unpack_meta_f32(vm_ref[page, pl.ds(at, cap)])
-            pv = (p * vs[None, :]).astype(qdt)
-            if magic:  # (p s) . (c + 1024): remove 1024 sum(p s) with the rounded weights,
-                # summed by the tensor cores (a dot with ones) rather than lane by lane
-                r = backend.dot_acc(r, pv, jnp.ones((RW, cap), qdt), trans_b=True)
-            z = z + jnp.sum(p * vz[None, :], axis=1)
+            pv, r, z = value_weights(p, vm_ref[page, pl.ds(at, cap)], r, z)
             return value_dots(accs, pv, page, at), m, l, r, z
 
         def lane_body(j, carry):
@@ -384,23 +402,13 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             page_row = lane_page[0]
             for r in range(1, n_lanes):
                 page_row = jnp.where(lane_of_row == r, lane_page[r], page_row)
-            ks, kz = unpack_meta_f32(km_ref[page_row, pl.ds(0, cap)])
-            if magic:
-                kz = kz - MAGIC * ks
-            s = acc * ks + q_sum[:, None] * kz
-            s = jnp.where(valid, s, NEG_INF)
-            if s_ref is not None:
-                store_lane_logits(s_ref, s, tok, base + lane_of_row < last,
-                                  [(base + r < last, jnp.minimum(base + r, last - 1) * cap)
-                                   for r in range(n_lanes)])
-            accs, m, l, r_acc, z = rescale(s, carry)
-            p = jnp.exp2(s - m[:, None])
-            l = l + jnp.sum(p, axis=1)
-            vs, vz = unpack_meta_f32(vm_ref[page_row, pl.ds(0, cap)])
-            pv = (p * vs).astype(qdt)
-            if magic:
-                r_acc = backend.dot_acc(r_acc, pv, jnp.ones((RW, cap), qdt), trans_b=True)
-            z = z + jnp.sum(p * vz, axis=1)
+            s = logits(acc, km_ref[page_row, pl.ds(0, cap)])
+            lanes = [(base + r < last, jnp.minimum(base + r, last - 1) * cap)
+                     for r in range(n_lanes)]
+            p, (accs, m, l, r_acc, z) = softmax(
+                s, valid, lambda s: store_lane_logits(s_ref, s, tok, base + lane_of_row < last,
+                                                      lanes), carry)
+            pv, r_acc, z = value_weights(p, vm_ref[page_row, pl.ds(0, cap)], r_acc, z)
             for r in range(n_lanes):  # the value dots of lane r's rows alone
                 accs = value_dots(accs, jnp.where(lane_col == r, pv, jnp.zeros_like(pv)),
                                   lane_page[r], 0)
