@@ -212,7 +212,11 @@ def test_merge_in_the_policy_launch_serves_eviction_baselines_the_same(tiny_mode
 def test_page_lanes_decode_like_one_lane_on_gpu(tiny_model, monkeypatch):
     # At head dim 128 the DiffKV launches walk two K8V4 pages per loop step
     # (LaunchConfig.page_lanes, diffkv_kernel_attention.PAGE_LANES): teacher-forced
-    # likelihoods and the tier mix match the one-lane launch, and the jnp path.
+    # likelihoods, greedy tokens and the tier mix stay with the one-lane launch's.
+    # (float16 dots on a random model: the one-lane launch itself is ~0.1 from the
+    # float32 jnp path at worst, ~0.02 on average; the lane merge only reorders
+    # sums, which moves a later token's 8-bit codes now and then: measured on the
+    # H200, max 0.025, mean 0.006 from one lane, tokens and tiers identical.)
     import jax
 
     from diffkv_jax import diffkv_kernel_attention as dka
@@ -230,10 +234,15 @@ def test_page_lanes_decode_like_one_lane_on_gpu(tiny_model, monkeypatch):
         monkeypatch.setattr(dka, "PAGE_LANES", lanes)
         jax.clear_caches()  # the launch settings are read when the step is traced
         runs.append(score_teacher_forced(cfg, params, ker, docs, 20, progress=False))
+    lanes, one = runs
+    assert not np.array_equal(lanes.nll, one.nll)  # the two launches did differ
     plain = score_teacher_forced(cfg, params, ref, docs, 20, progress=False)
-    for other in (runs[1], plain):
-        assert np.abs(runs[0].nll - other.nll).max() < 2e-2
-        assert (runs[0].argmax == other.argmax).mean() > 0.95
-        for key in ("frac_high", "frac_low", "frac_pruned"):
-            assert abs(runs[0].memory[key] - other.memory[key]) < 0.02
-    assert runs[0].memory["frac_low"] > 0
+    assert np.abs(lanes.nll - one.nll).max() < 5e-2
+    assert np.abs(lanes.nll - one.nll).mean() < 1e-2
+    assert (lanes.argmax == one.argmax).mean() > 0.98
+    for key in ("frac_high", "frac_low", "frac_pruned"):
+        assert abs(lanes.memory[key] - one.memory[key]) < 0.01
+    # and no farther from the float32 path than the one-lane launch
+    assert (np.abs(lanes.nll - plain.nll).mean()
+            <= 1.5 * np.abs(one.nll - plain.nll).mean() + 1e-3)
+    assert lanes.memory["frac_low"] > 0
