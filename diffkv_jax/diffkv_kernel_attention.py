@@ -48,10 +48,16 @@ def work_items(S: int, H: int) -> int:
 PAGE_LANES = {128: 2}
 
 
+def page_lanes(head_dim: int) -> int:
+    """Page lanes of the quantized launches at ``head_dim`` (1 off the GPU)."""
+    return PAGE_LANES.get(head_dim, 1) if backend.on_gpu() else 1
+
+
 def _launch(emit_logits: bool, head_dim: int = 0) -> pdk.LaunchConfig:
+    """The caches' launch settings; ``head_dim`` 0: without page lanes (16-bit pages)."""
     gpu = backend.on_gpu()
     return pdk.LaunchConfig(dot_dtype="float16" if gpu else "float32", emit_logits=emit_logits,
-                            page_lanes=PAGE_LANES.get(head_dim, 1) if gpu else 1)
+                            page_lanes=page_lanes(head_dim))
 
 
 def _grouped_query(q, H: int):

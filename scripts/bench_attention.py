@@ -71,7 +71,9 @@ def main() -> int:
         mix = "bf16" if v == "ours-bf16" else v
         tiers, nbytes = random_case(jax.random.fold_in(key, index), mix, S, H, D,
                                     N)
-        cfg = _launch(emit_logits=mix.startswith("diffkv"), head_dim=D)
+        # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
+        lane_dim = 0 if mix == "bf16" else D
+        cfg = _launch(emit_logits=mix.startswith("diffkv"), head_dim=lane_dim)
 
         @jax.jit
         def ours(qg, tiers, cfg=cfg):

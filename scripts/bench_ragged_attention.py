@@ -48,7 +48,7 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from diffkv_jax.diffkv_kernel_attention import work_items
+    from diffkv_jax.diffkv_kernel_attention import _launch, work_items
     from pallas_kernels import paged_decode as pdk
     from scripts.decode_cases import time_ms
 
@@ -106,7 +106,9 @@ def main() -> int:
                     return pdk.merge_partials([(o, m, l)])[0], lg
 
                 res[f"even-{K}"] = (time_ms(even, qg, tiers), even(qg, tiers)[0])
-            cfg = pdk.LaunchConfig(emit_logits=emit)
+            # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
+            lane_dim = D if method == "diffkv" else 0
+            cfg = _launch(emit, lane_dim)
             counts = [work_items(S, H)] + [int(n) for n in args.items.split(",") if n]
             for n_items in counts:
 

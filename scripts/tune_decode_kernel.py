@@ -36,6 +36,8 @@ def main() -> int:
     p.add_argument("--lanes", default="1", help="pages per loop step (LaunchConfig.page_lanes)")
     p.add_argument("--work", action="store_true", help="launch over balanced work items "
                    "(plan_work, as the caches do) instead of even splits")
+    p.add_argument("--items", default="0", help="with --work: work items of the launch "
+                   "(0 = the caches' count, diffkv_kernel_attention.work_items)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -74,10 +76,10 @@ def main() -> int:
         small, _ = random_case(jax.random.fold_in(key, 7), mix, 2, H, D, min(N, 1024))
         ref = case_reference(q[:2, :, :G], small)
         rout = pdk.merge_partials([r[:3] for r in ref])[0]
-        for warps, stages, splits, lazy, lg, sub, lanes in itertools.product(
+        for warps, stages, splits, lazy, lg, sub, lanes, items in itertools.product(
                 *(list(map(int, a.split(","))) for a in (args.warps, args.stages, args.splits,
                                                          args.lazy, args.logits, args.sub,
-                                                         args.lanes))):
+                                                         args.lanes, args.items))):
             if lanes > 1 and (sub or mix == "bf16"):
                 continue
             cfg = pdk.LaunchConfig(num_splits=splits, num_warps=warps, num_stages=stages,
@@ -85,17 +87,17 @@ def main() -> int:
                                    sub_slots=sub, page_lanes=lanes)
 
             @jax.jit
-            def fn(q, tiers, cfg=cfg):
+            def fn(q, tiers, cfg=cfg, items=items):
                 if not args.work:
                     o, m, l, lg = pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg)
                     return pdk.merge_partials([(o, m, l)])[0], lg
                 rows = q.shape[0]
-                work = pdk.plan_work(pdk.row_pages(tiers), work_items(rows, H))
+                work = pdk.plan_work(pdk.row_pages(tiers), items or work_items(rows, H))
                 o, m, l, lg = pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg, work=work)
                 return pdk.merge_work(o, m, l, work, rows, H)[0], lg
 
             name = (f"{mix:13s} w={warps} st={stages} sp={splits} lazy={lazy} logits={lg} "
-                    f"sub={sub} lanes={lanes}")
+                    f"sub={sub} lanes={lanes}" + (f" items={items}" if items else ""))
             try:
                 out = fn(q[:2], small)[0]
                 err = float(jnp.abs(out[:, :, :G] - rout).max() / jnp.abs(rout).max())
@@ -106,7 +108,7 @@ def main() -> int:
                 continue
             tb = nbytes / (ms * 1e-3) / 1e12
             rows.append(dict(mix=mix, warps=warps, stages=stages, splits=splits, lazy=lazy,
-                             logits=lg, sub=sub, lanes=lanes, ms=ms, tbps=tb, err=err,
+                             logits=lg, sub=sub, lanes=lanes, items=items, ms=ms, tbps=tb, err=err,
                              speedup_vs_jax=jax_ms / ms))
             print(f"{name}: {ms:7.3f} ms {tb:5.2f} TB/s ({tb / bw:4.0%} copy) "
                   f"{jax_ms / ms:5.2f}x jax  rel.err {err:.1e}", flush=True)
@@ -122,7 +124,7 @@ def main() -> int:
             b = min(cands, key=lambda r: r["ms"])
             print(f"  {mix:13s} {b['ms']:.3f} ms {b['tbps']:.2f} TB/s {b['speedup_vs_jax']:.2f}x "
                   f"w={b['warps']} st={b['stages']} sp={b['splits']} lazy={b['lazy']} sub={b['sub']} "
-                  f"lanes={b['lanes']}")
+                  f"lanes={b['lanes']} items={b['items']}")
     return 0
 
 
