@@ -82,29 +82,39 @@ def no_victims(S: int, H: int):
             jnp.zeros((S, H), jnp.int32), jnp.zeros((S, H), jnp.float32))
 
 
-def _merge_row(rng_ref, q_ref, kn_ref, vn_ref, o_ref, pm_ref, pl_ref, rows, group: int):
+def _merge_row(rng_ref, q_ref, kn_ref, vn_ref, o_ref, pm_ref, pl_ref, rows, group: int,
+               with_out):
     """The row's exact attention merge (flash-decoding) inside the policy launch: its
     work items' partials ``o, m, l`` (consecutive items ``rng = (first, count)``),
     then the token being decoded (logit ``q . k_new / sqrt(D)``, value ``v_new``).
     Returns ``(out [Gq, D], M [Gq], L [Gq], p_new)`` as :func:`paged_decode.merge_work`
-    with its ``extra``, and the newcomer's probability (max over the group)."""
+    with its ``extra``, and the newcomer's probability (max over the group).
+
+    Every split of a row needs ``M`` and ``L`` (the max and sum pass reads only
+    ``m, l``); only the split with ``with_out`` (traced bool) reads the items'
+    outputs, in a second pass at the final max (elsewhere ``out`` is not defined).
+    """
     D = q_ref.shape[-1]
     dcol = lax.broadcasted_iota(jnp.int32, (D,), 0)
     first, count = rng_ref[0], rng_ref[1]
 
-    def item(j, carry):
-        mx, lx, ox = carry
-        w = first + j
-        mi, li = pm_ref[w, rows], pl_ref[w, rows]
-        oi = o_ref[w, rows[:, None], dcol[None, :]]
+    def stats(j, carry):
+        mx, lx = carry
+        mi, li = pm_ref[first + j, rows], pl_ref[first + j, rows]
         mn = jnp.maximum(mx, mi)
-        a, b = jnp.exp(mx - mn), jnp.exp(mi - mn)
-        return mn, lx * a + li * b, ox * a[:, None] + oi * b[:, None]
+        return mn, lx * jnp.exp(mx - mn) + li * jnp.exp(mi - mn)
 
     Gq = rows.shape[0]
-    init = (jnp.full((Gq,), NEG_INF, jnp.float32), jnp.zeros((Gq,), jnp.float32),
-            jnp.zeros((Gq, D), jnp.float32))
-    mx, lx, ox = lax.fori_loop(0, count, item, init)
+    mx, lx = lax.fori_loop(0, count, stats, (jnp.full((Gq,), NEG_INF, jnp.float32),
+                                             jnp.zeros((Gq,), jnp.float32)))
+
+    def outputs(j, ox):
+        w = first + j
+        oi = o_ref[w, rows[:, None], dcol[None, :]]
+        return ox + oi * jnp.exp(pm_ref[w, rows] - mx)[:, None]
+
+    ox = lax.fori_loop(0, jnp.where(with_out, count, 0), outputs,
+                       jnp.zeros((Gq, D), jnp.float32))
     q = q_ref[rows[:, None], dcol[None, :]].astype(jnp.float32)
     s_new = jnp.sum(q * kn_ref[...].astype(jnp.float32)[None, :], axis=1) / math.sqrt(D)
     M = jnp.maximum(mx, s_new)
@@ -132,16 +142,19 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
     rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (Gq,), 0), group - 1)
     split = pl.program_id(2)
     if fused:
-        out, M, L, p_new = _merge_row(*stats_refs, rows, group)
+        out, M, L, p_new = _merge_row(*stats_refs, rows, group, with_out=split == 0)
         M2 = M * LOG2E
         out_ref, st_ref = merged_refs
-        # Every split of the row computes the same merge; all store it (the same values).
+        # Every split of the row computes M and L (its probabilities need them) and
+        # stores them (the same values); the first split alone merges and stores out.
         if interpret:
-            out_ref[...] = out
+            @pl.when(split == 0)
+            def _():
+                out_ref[...] = out
         else:
             from jax.experimental.pallas import triton as plgpu
 
-            mask = lax.broadcasted_iota(jnp.int32, out.shape, 0) < group
+            mask = (lax.broadcasted_iota(jnp.int32, out.shape, 0) < group) & (split == 0)
             plgpu.store(out_ref.at[rows, pl.ds(0, out.shape[1])], out, mask=mask)
         g_iota = lax.broadcasted_iota(jnp.int32, (Gq,), 0)
         pick = lambda x, g: jnp.sum(jnp.where(g_iota == g, x, 0.0))  # noqa: E731

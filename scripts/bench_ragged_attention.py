@@ -16,8 +16,17 @@ Methods: ``bf16`` (the uncompressed cache's 16-token pages) and ``diffkv``
 (``--low-frac`` of each row's tokens K4V2, the rest K8V4, policy logits
 emitted). Llama3-8B head shapes.
 
+``--variants`` times other settings of the work launch on the same rows, each
+a comma-separated list of ``warps``, ``stages``, ``lanes``, ``items``,
+``min_pages`` (variants separated by ``;``), e.g. to tune the launch where the
+engine runs it:
+
     python scripts/bench_ragged_attention.py --slots 128 --active 14,24,45,64
+    python scripts/bench_ragged_attention.py --methods diffkv --active 45,64 --splits 1 \
+        --variants "lanes=1;warps=2;stages=4;warps=2,stages=2;min_pages=8"
 """
+
+import dataclasses
 
 import argparse
 import json
@@ -39,6 +48,8 @@ def main() -> int:
     p.add_argument("--items", default="",
                    help="work-item counts to try besides the default (comma-separated)")
     p.add_argument("--min-pages", type=int, default=2, help="pages per work item at least")
+    p.add_argument("--variants", default="",
+                   help="work-launch settings to try besides the caches' (see above)")
     p.add_argument("--no-logits", action="store_true",
                    help="DiffKV without the policy's logits (to see what they cost)")
     p.add_argument("--json", default="results/bench_ragged_attention.json")
@@ -55,6 +66,24 @@ def main() -> int:
     nq, H, D = 32, 8, 128
     G, S = nq // H, args.slots
     rows = []
+    fields = {"warps": "num_warps", "stages": "num_stages", "lanes": "page_lanes"}
+
+    def variant(spec: str) -> tuple[dict, int | None, int]:
+        """``(LaunchConfig changes, items or None, min_pages)`` of one --variants entry."""
+        changes, items, min_pages = {}, None, args.min_pages
+        for part in filter(None, spec.split(",")):
+            key, _, value = part.partition("=")
+            if key in fields:
+                changes[fields[key]] = int(value)
+            elif key == "items":
+                items = int(value)
+            elif key == "min_pages":
+                min_pages = int(value)
+            else:
+                raise SystemExit(f"unknown variant setting {key!r} in {spec!r}")
+        return changes, items, min_pages
+
+    variants = [(spec, *variant(spec)) for spec in filter(None, args.variants.split(";"))]
 
     def case(active: int, method: str, seed: int):
         rng = np.random.default_rng(seed)
@@ -109,19 +138,26 @@ def main() -> int:
             # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
             lane_dim = D if method == "diffkv" else 0
             cfg = _launch(emit, lane_dim)
-            counts = [work_items(S, H)] + [int(n) for n in args.items.split(",") if n]
-            for n_items in counts:
+            launches = [("work", cfg, work_items(S, H), args.min_pages)]
+            launches += [(f"work-{n}", cfg, n, args.min_pages)
+                         for n in (int(n) for n in args.items.split(",") if n)]
+            launches += [(spec, dataclasses.replace(cfg, **changes),
+                          items or work_items(S, H), mp)
+                         for spec, changes, items, mp in variants]
+            for name, lcfg, n_items, min_pages in launches:
 
                 @jax.jit
-                def work(qg, tiers, act, cfg=cfg, n_items=n_items):
-                    wl = pdk.plan_work(pdk.row_pages(tiers, act), n_items,
-                                       min_pages=args.min_pages)
+                def work(qg, tiers, act, cfg=lcfg, n_items=n_items, min_pages=min_pages):
+                    wl = pdk.plan_work(pdk.row_pages(tiers, act), n_items, min_pages=min_pages)
                     o, m, l, lg = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg,
                                                             work=wl)
                     return pdk.merge_work(o, m, l, wl, S, H)[0], lg
 
-                name = "work" if n_items == counts[0] else f"work-{n_items}"
-                res[name] = (time_ms(work, qg, tiers, act), work(qg, tiers, act)[0])
+                try:
+                    res[name] = (time_ms(work, qg, tiers, act), work(qg, tiers, act)[0])
+                except Exception as e:  # report and keep going
+                    print(f"{method} active={A} {name}: FAILED {type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200]}", flush=True)
             ref = np.asarray(next(iter(res.values()))[1])[np.asarray(act)]
             for name, (ms, out) in res.items():
                 err = float(np.abs(np.asarray(out)[np.asarray(act)] - ref).max()
@@ -134,10 +170,11 @@ def main() -> int:
     with open(args.json, "w") as fh:
         json.dump({"device": jax.devices()[0].device_kind, "args": vars(args), "rows": rows},
                   fh, indent=1)
-    print(f"\n{'method':7s} {'active':>6s} {'launch':9s} {'ms':>7s} {'MB':>7s} {'TB/s':>5s} "
-          f"{'diff':>8s}")
+    width = max([9] + [len(r["launch"]) for r in rows])
+    print(f"\n{'method':7s} {'active':>6s} {'launch':{width}s} {'ms':>7s} {'MB':>7s} "
+          f"{'TB/s':>5s} {'diff':>8s}")
     for r in rows:
-        print(f"{r['method']:7s} {r['active']:6d} {r['launch']:9s} {r['ms']:7.3f} "
+        print(f"{r['method']:7s} {r['active']:6d} {r['launch']:{width}s} {r['ms']:7.3f} "
               f"{r['bytes'] / 1e6:7.1f} {r['tbps']:5.2f} {r['diff_vs_first']:8.1e}")
     return 0
 

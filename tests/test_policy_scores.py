@@ -126,7 +126,7 @@ def merged_reference(work, o, m, l, q, k_new, v_new):
     return out, M, L, jnp.max(jnp.exp(s_new - M) / L, axis=-1)
 
 
-def fused_and_reference(rng, interpret, caps=(8, 16), **case_args):
+def fused_and_reference(rng, interpret, caps=(8, 16), splits=None, **case_args):
     from pallas_kernels.policy_scores import RowPartials
 
     logits, _, _, _, pages, n_tok, cur, plen, scores, positions = case(rng, caps, **case_args)
@@ -136,7 +136,7 @@ def fused_and_reference(rng, interpret, caps=(8, 16), **case_args):
                         positions, caps=caps, group=3, interpret=interpret)
     parts = RowPartials(o, m, l, work.ranges.reshape(3, 2, 2), q, k_new, v_new)
     got = score_victims(logits, None, None, pages, n_tok, cur, plen, scores, positions,
-                        caps=caps, group=3, interpret=interpret, partials=parts)
+                        caps=caps, group=3, interpret=interpret, partials=parts, splits=splits)
     return got, (*ref, ref_merged)
 
 
@@ -164,6 +164,16 @@ def test_merge_inside_the_policy_launch_matches_the_xla_merge():
         score_victims(logits, M, L, pages, n_tok, cur, plen, scores, positions, caps=(8, 16),
                       group=3, interpret=True,
                       partials=RowPartials(o, m, l, work.ranges.reshape(3, 2, 2), q, k, v))
+
+
+def test_merge_inside_the_policy_launch_with_several_splits_per_row():
+    # Every split of a row takes M and L for its probabilities; the first alone
+    # merges and stores the output: the same results with 3 splits as with 1.
+    rng = np.random.default_rng(24)
+    got, ref = fused_and_reference(rng, True, splits=3)
+    check_fused(got, ref, 2e-5)
+    one, _ = fused_and_reference(np.random.default_rng(24), True, splits=1)
+    np.testing.assert_allclose(np.asarray(got[2][0]), np.asarray(one[2][0]), rtol=1e-6)
 
 
 @pytest.mark.gpu
