@@ -46,6 +46,7 @@ longer become part of a stop string.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -358,8 +359,9 @@ class Engine(Generator):
     for the host: it counts only iterations that found the previous step's
     results already finished (a read under :attr:`READY_WAIT_S`), the time from
     that step's queueing (or the end of the host's last real wait for any
-    result, if later: a read before preempting, a release, a swap) to this
-    step's queueing.
+    result, if later: a read before preempting, a release, a swap, the wait
+    before a compilation) to this step's queueing, compilation in between left
+    out. Steps run inside :meth:`unaccounted` change none of these counters.
     ``prefill_seconds`` / ``decode_seconds`` split the steps' wall time: a step
     that prefilled counts as prefill, any other as decode.
     """
@@ -429,6 +431,7 @@ class Engine(Generator):
         self.wait_seconds = self.host_seconds = 0.0
         self.exposed_host_seconds = 0.0
         self._queued_at, self._busy_until = None, 0.0
+        self._compile_at_queue = 0.0  # compile_seconds when the last step was queued
         self.peak_memory: dict = {}
         S = method.max_seqs
         # Last sampled token of every slot, kept on the device: a decode step feeds
@@ -599,8 +602,10 @@ class Engine(Generator):
         """
         if self._queued_at is not None and wait < self.READY_WAIT_S:
             since = max(self._queued_at, self._busy_until)
-            self.exposed_host_seconds += max(queued - since, 0.0)
-        self._queued_at = queued
+            # Compilation in between is left out, as from every other rate.
+            compiling = self.compile_seconds - self._compile_at_queue
+            self.exposed_host_seconds += max(queued - since - compiling, 0.0)
+        self._queued_at, self._compile_at_queue = queued, self.compile_seconds
         self._waited(wait, read_at)
 
     def _waited(self, seconds: float, until: float) -> None:
@@ -608,6 +613,27 @@ class Engine(Generator):
         the device was busy until then, whatever read it was."""
         if seconds >= self.READY_WAIT_S:
             self._busy_until = max(self._busy_until, until)
+
+    def _drained(self, seconds: float, until: float) -> None:
+        # The wait before compiling a new shape: the device was busy until then too.
+        self._waited(seconds, until)
+
+    @contextlib.contextmanager
+    def unaccounted(self):
+        """Steps run inside are left out of the timing counters (host, wait, call,
+        exposed host, prefill and decode seconds, decode tokens), as compilation is.
+        For work around :meth:`step` that blocks on the device or pauses the host,
+        such as tracing a few steps: the first step after it does not count that
+        pause as time the device idled for the host."""
+        names = ("host_seconds", "wait_seconds", "call_seconds", "exposed_host_seconds",
+                 "prefill_seconds", "decode_seconds", "decode_tokens")
+        saved = {n: getattr(self, n) for n in names}
+        try:
+            yield self
+        finally:
+            for n, v in saved.items():
+                setattr(self, n, v)
+            self._queued_at = None
 
     def run(self) -> Iterator[dict[int, list[int]]]:
         """Step until every request is finished, yielding each step's new tokens."""

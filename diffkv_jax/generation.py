@@ -170,12 +170,18 @@ class Generator:
             # Finish queued device work first, so it is not counted as compilation.
             t0 = time.perf_counter()
             jax.block_until_ready(args)
-            self.call_seconds += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.call_seconds += t1 - t0
+            self._drained(t1 - t0, t1)
             t0 = time.perf_counter()
             exe = fn.lower(*args).compile()
             self.compile_seconds += time.perf_counter() - t0
             self._executables[(name, key)] = exe
         return exe
+
+    def _drained(self, seconds: float, until: float) -> None:
+        """Hook: queued device work was waited for (``seconds``, ending at ``until``)
+        before a compilation."""
 
     def warm_up(self, sampled: bool = False, progress: bool = False) -> int:
         """Compile the decode step for every shape bucket now (:func:`decode_buckets`),

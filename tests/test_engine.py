@@ -241,3 +241,42 @@ def test_exposed_host_time_counts_only_steps_that_found_results_ready(tiny_model
     eng._waited(ready, 3.15)              # a read that found its result ready
     eng._expose(3.3, ready, 3.4)          # idle from 3.1 only, not from 2.7
     assert abs(eng.exposed_host_seconds - 1.0) < 1e-12
+
+
+def test_exposed_host_time_leaves_out_compilation_and_unaccounted_steps(tiny_model):
+    """Compilation between two queueings is not device idle time charged to the host
+    (the rates leave it out too), the wait before a compilation is a real wait, and
+    steps inside ``unaccounted()`` (e.g. traced ones) change no timing counter nor
+    make the next step count the pause."""
+    cfg, params = tiny_model
+    method = FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=2,
+                       max_context=64, page_size=8)
+    eng = Engine(cfg, params, method, num_pages=2 * method.pages_for_tokens(64))
+    ready, waited = 0.0, 10 * Engine.READY_WAIT_S
+    eng._expose(1.0, ready, 1.1)
+    eng.compile_seconds += 0.3            # a new prefill shape compiled in between
+    eng._expose(1.5, ready, 1.6)
+    assert abs(eng.exposed_host_seconds - 0.2) < 1e-12
+    eng._drained(waited, 1.9)             # queued work finished before compiling
+    eng._expose(2.0, ready, 2.1)
+    assert abs(eng.exposed_host_seconds - 0.3) < 1e-12
+    before = (eng.exposed_host_seconds, eng.host_seconds, eng.decode_seconds)
+    with eng.unaccounted():
+        eng._expose(2.5, ready, 2.6)
+        eng.host_seconds += 1.0
+        eng.decode_seconds += 1.0
+        assert eng.exposed_host_seconds > before[0]
+    assert (eng.exposed_host_seconds, eng.host_seconds, eng.decode_seconds) == before
+    eng._expose(9.0, ready, 9.1)          # the pause before it is not the host's
+    assert eng.exposed_host_seconds == before[0]
+    eng._expose(9.4, ready, 9.5)          # counting resumes from the next queueing
+    assert abs(eng.exposed_host_seconds - before[0] - 0.4) < 1e-12
+    # A real engine: steps inside unaccounted() still serve, their time is left out.
+    rid = eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=8))
+    with eng.unaccounted():
+        for _ in range(3):
+            eng.step()
+    assert eng.decode_tokens == 0 and eng.decode_seconds == before[2]
+    while eng.has_unfinished():
+        eng.step()
+    assert len(eng.requests[rid].output) == 8 and eng.decode_tokens > 0
