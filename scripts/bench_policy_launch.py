@@ -12,10 +12,13 @@ each row's tokens in K4V2 pages and the rest in K8V4 pages of one pool (every
 page its own, as the engine allocates them); runs the caches' attention
 launch once for real partials and logits; then times the policy launch as
 the caches call it (the merge inside, victims left per split for the
-token-writes launch, scores updated in place) and each ``--variants`` entry:
-a comma-separated list of ``splits``, ``block``, ``warps``, ``stages``
-(entries separated by ``;``). Every variant is checked against the caches'
-settings on the same inputs first (scores, the row outputs, the victims).
+token-writes launch, scores updated in place; ``--launches`` of them chained
+in one call, as a decode step runs one per layer, so the time is the
+device's, not the call's dispatch) and each ``--variants`` entry: a
+comma-separated list of ``splits``, ``block``, ``warps``, ``stages``,
+``item_block`` (entries separated by ``;``). Every variant is checked against
+the caches' settings on the same inputs first (scores, the row outputs, the
+victims).
 Llama3-8B head shapes.
 
     python scripts/bench_policy_launch.py --active 24,45,64 \\
@@ -30,7 +33,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SETTINGS = {"splits": "splits", "block": "block", "warps": "num_warps", "stages": "num_stages"}
+SETTINGS = {"splits": "splits", "block": "block", "warps": "num_warps", "stages": "num_stages",
+            "item_block": "item_block"}
 
 
 def parse_variant(spec: str) -> dict:
@@ -54,7 +58,10 @@ def main() -> int:
     p.add_argument("--low-frac", type=float, default=0.14)
     p.add_argument("--prompt-len", type=int, default=95)
     p.add_argument("--variants", default="splits=2;splits=8;warps=2;warps=8")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--launches", type=int, default=32,
+                   help="launches chained in one call (a decode step runs one per layer); "
+                        "the time is per launch, without the call's dispatch")
     p.add_argument("--json", default="results/bench_policy_launch.json")
     args = p.parse_args()
     variants = [("caches", {})] + [(s, parse_variant(s))
@@ -131,18 +138,31 @@ def main() -> int:
                 return new, vi, vf, merged
 
             fn = jax.jit(launch, donate_argnums=0)
+
+            def chained(sc, launch=launch):
+                # As in a decode step: many launches in one call, each on the scores
+                # the previous one wrote (so none is skipped), no dispatch in between.
+                def body(_, carry):
+                    sc, acc = carry
+                    new, vi, vf, merged = launch(sc)
+                    return new, acc + merged[0][0, 0, 0, 0] + vf[0, 0, 0, 0]
+
+                return jax.lax.fori_loop(0, args.launches, body, (sc, jnp.float32(0)))
+
+            many = jax.jit(chained, donate_argnums=0)
             try:
                 got = jax.block_until_ready(fn(jnp.copy(scores0)))
                 # Scores updated in place, as the caches run it: each call feeds the next.
                 sc = jnp.copy(scores0)
                 sc = jax.block_until_ready(fn(sc)[0])
+                sc = jax.block_until_ready(many(sc))[0]
                 times = []
                 for _ in range(5):
                     t0 = time.perf_counter()
                     for _ in range(args.reps):
-                        sc = fn(sc)[0]
+                        sc = many(sc)[0]
                     jax.block_until_ready(sc)
-                    times.append((time.perf_counter() - t0) / args.reps)
+                    times.append((time.perf_counter() - t0) / (args.reps * args.launches))
                 ms = sorted(times)[2] * 1e3
             except Exception as e:  # report and keep going
                 print(f"active={A} {name}: FAILED {type(e).__name__}: "
