@@ -61,9 +61,15 @@ def _launch(emit_logits: bool, head_dim: int = 0) -> pdk.LaunchConfig:
 
 
 def _grouped_query(q, H: int):
+    """``q [S, nq, D]`` as ``[S, H, G, D]`` (a view: the kernel converts it and pads
+    the group to its tile rows in registers, :func:`_tile_rows`)."""
     S, nq, D = q.shape
-    qg = q.astype(jnp.float32).reshape(S, H, nq // H, D)
-    return pdk.pad_group(qg, 16) if backend.on_gpu() else qg
+    return q.reshape(S, H, nq // H, D)
+
+
+def _tile_rows(G: int) -> int | None:
+    """Rows of the decode kernel's tiles for a group of ``G`` (the GPU dot needs 16)."""
+    return -(-G // 16) * 16 if backend.on_gpu() else None
 
 
 def plan_full_work(lengths, active, page_size: int, H: int) -> pdk.WorkList:
@@ -90,7 +96,8 @@ def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work: pdk.Work
     ntok = jnp.broadcast_to(lengths[:, None], (S, H)).astype(jnp.int32)
     tier = pdk.TierInput(fmt, k_pages, v_pages, None, page_ids, ntok)
     o, m, l, _ = pdk.paged_decode_partials(_grouped_query(q, H), [tier], group=G,
-                                           cfg=_launch(False), work=work)
+                                           cfg=_launch(False), work=work,
+                                           padded_rows=_tile_rows(G))
     out, _, _ = pdk.merge_work(o, m, l, work, S, H)
     return out.reshape(S, nq, D)
 
@@ -137,7 +144,7 @@ def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_
     S, nq, D = q.shape
     H = method.num_kv_heads
     G = nq // H
-    qr = qg[:, :, :G]
+    qr = qg[:, :, :G].astype(jnp.float32)
     s_new = jnp.einsum("shgd,shd->shg", qr, k_new.astype(jnp.float32)) / math.sqrt(D)
     v_ext = jnp.broadcast_to(v_new.astype(jnp.float32)[:, :, None], (S, H, G, D))
     out, M, L = pdk.merge_work(o, m, l, work, S, H, (v_ext, s_new, jnp.ones_like(s_new)))
@@ -169,7 +176,7 @@ def _tier_partials(method, state, layer, q, n_hi: int, n_lo: int, work: pdk.Work
         tiers.append(pdk.TierInput(fmt, keys, values, (state.k_meta, state.v_meta), pages[-1],
                                    state.n_tok[:S, layer, :, tier]))
     parts = pdk.paged_decode_partials(qg, tiers, group=G, cfg=_launch(True, D), work=work,
-                                      padded_stats=padded_stats)
+                                      padded_stats=padded_stats, padded_rows=_tile_rows(G))
     return qg, parts, pages
 
 

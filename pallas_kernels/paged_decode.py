@@ -232,6 +232,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
 
     def q_part(start, width, dtype):
         rows = slice(None) if n_lanes == 1 else row_iota % Gl
+        if q_ref.shape[2] < Gp:  # q holds the real rows only: repeat the last
+            rows = jnp.minimum(row_iota if n_lanes == 1 else rows, q_ref.shape[2] - 1)
         q = q_ref[s_i, h_i, rows, pl.ds(start, width)]
         return (q.astype(jnp.float32) * qscale).astype(dtype)
 
@@ -540,12 +542,17 @@ def even_work(tiers: Sequence[TierInput], num_splits: int) -> WorkList:
 
 def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = None,
                           cfg: LaunchConfig = LaunchConfig(), work: WorkList | None = None,
-                          interpret: bool | None = None, padded_stats: bool = False):
+                          interpret: bool | None = None, padded_stats: bool = False,
+                          padded_rows: int | None = None):
     """Partial attention of ``q`` over every tier of each row, one launch.
 
     Args:
-      q: ``[S, H, Gp, D]`` queries grouped by KV head (``Gp`` padded to a multiple of
-        16 on the GPU, see :func:`pad_group`).
+      q: ``[S, H, Gq, D]`` queries grouped by KV head (any float dtype): either padded
+        to the kernel's rows (a multiple of 16 on the GPU, see :func:`pad_group`), or
+        the real rows with ``padded_rows`` given.
+      padded_rows: the rows of the kernel's tiles (``Gp``, >= ``Gq``); the rows past
+        ``Gq`` repeat its last one, never stored (no padded copy of ``q`` in memory).
+        None: ``Gq``.
       tiers: the tiers of each row, in the order their pages are walked.
       group: real query rows per KV head (<= ``Gp``; default ``Gp``); the outputs
         hold these rows only.
@@ -564,8 +571,11 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
     """
     if interpret is None:
         interpret = backend.default_interpret()
-    S, H, Gp, D = q.shape
-    G = Gp if group is None else group
+    S, H, Gq, D = q.shape
+    Gp = Gq if padded_rows is None else padded_rows
+    if Gp < Gq:
+        raise ValueError(f"padded_rows {padded_rows} < the {Gq} rows of q")
+    G = Gq if group is None else group
     if D % 16:
         raise ValueError("head_dim must be a multiple of 16")
     if any(t.fmt.quantized for t in tiers) and not all(t.fmt.quantized for t in tiers):

@@ -121,6 +121,8 @@ def main() -> int:
     p.add_argument("--stages", default="3")
     p.add_argument("--sub", default="0", help="LaunchConfig.sub_slots values (0: whole pages)")
     p.add_argument("--lanes", default="1", help="LaunchConfig.page_lanes values")
+    p.add_argument("--padded-q", action="store_true",
+                   help="q padded to 16 rows in memory (the launches before padded_rows)")
     p.add_argument("--out", default="results/ttir")
     p.add_argument("--opcodes", type=int, default=0, help="also print each loop's N most "
                    "common opcodes (static counts: a rarely taken branch, such as the lazy "
@@ -165,9 +167,12 @@ def main() -> int:
         n_lanes = cfg.lanes(16, G)
         if n_lanes > 1:  # tiers of pages up to lane_slots walk a page per lane per step
             caps = [c * n_lanes if c <= cfg.lane_slots else c for c in caps]
-        q = jnp.zeros((1, 1, 16, D), jnp.bfloat16)
-        fn = jax.jit(lambda q: pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg,
-                                                         interpret=False))
+        # As the caches call it: q holds the group's rows, the kernel pads them to 16
+        # (--padded-q: q padded in memory, as before padded_rows).
+        q = jnp.zeros((1, 1, 16 if args.padded_q else G, D), jnp.bfloat16)
+        fn = jax.jit(lambda q: pdk.paged_decode_partials(
+            q, tiers, group=G, cfg=cfg, interpret=False,
+            padded_rows=None if args.padded_q else 16))
         name = (f"{spec.replace('+', '_')}_w{warps}_st{stages}" + (f"_sub{sub}" if sub else "")
                 + (f"_lanes{n_lanes}" if n_lanes > 1 else ""))
         path = os.path.join(args.out, name + ".ttir")

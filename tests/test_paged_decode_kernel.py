@@ -57,9 +57,10 @@ TIER_SETS = {
 
 
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
-                 seed=0, work_items=None, sub_slots=0, page_lanes=1):
+                 seed=0, work_items=None, sub_slots=0, page_lanes=1, rows_in_kernel=False):
     """``work_items``: launch over :func:`pdk.plan_work` items (rows 1 and 4 inactive)
-    instead of ``splits`` even splits per row."""
+    instead of ``splits`` even splits per row. ``rows_in_kernel``: q keeps its ``G``
+    rows and the kernel pads them to ``pad`` itself (``padded_rows``)."""
     rng = np.random.default_rng(seed)
     S, H, P, NP = (3, 2, 24, 3) if work_items is None else (5, 2, 40, 5)
     tiers, refs = [], []
@@ -70,14 +71,15 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
     q = jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32)
     cfg = pdk.LaunchConfig(num_splits=splits, dot_dtype=dot_dtype, lazy_rescale=lazy,
                            sub_slots=sub_slots, page_lanes=page_lanes)
-    qk = q if pad is None else pdk.pad_group(q, pad)
+    qk = q if pad is None or rows_in_kernel else pdk.pad_group(q, pad)
+    padded_rows = -(-G // pad) * pad if rows_in_kernel else None
     active = np.ones(S, bool)
     work = None
     if work_items is not None:
         active[[1, 4]] = False
         work = pdk.plan_work(pdk.row_pages(tiers, jnp.asarray(active)), work_items)
     o, m, l, logits = pdk.paged_decode_partials(qk, tiers, group=G, cfg=cfg, work=work,
-                                                interpret=interpret)
+                                                interpret=interpret, padded_rows=padded_rows)
     assert o.shape[-2] == G and m.shape[-1] == G and l.shape[-1] == G
     ref = [pdk.tier_attention_reference(q, kh, vh, nt) for kh, vh, nt in refs]
     # An extra always-present source (like the token being decoded) keeps rows defined.
@@ -211,6 +213,20 @@ def test_group_padding_does_not_change_results():
     check_kernel("k8v4+k4v2", 64, 3, 2, interpret=True, dot_dtype="float32", tol=1e-4, pad=16)
 
 
+@pytest.mark.parametrize("D,G,lanes", [(64, 3, 1), (128, 4, 2), (64, 3, 4)])
+@pytest.mark.parametrize("work_items", [None, 16])
+def test_rows_padded_in_the_kernel_match_reference(D, G, lanes, work_items):
+    # padded_rows: q holds the real rows, the kernel's tile rows past them repeat the
+    # last one (never stored); no padded copy of q in memory.
+    check_kernel("k8v4+k4v2", D, G, 1 if work_items else 2, interpret=True,
+                 dot_dtype="float32", tol=1e-4, pad=16, page_lanes=lanes,
+                 work_items=work_items, seed=30 + lanes, rows_in_kernel=True)
+    with pytest.raises(ValueError, match="padded_rows"):
+        q = jnp.zeros((1, 1, 4, D), jnp.float32)
+        tier, _, _ = make_tier(np.random.default_rng(0), pdk.TierFormat(8, 4, D, 32), 4, 1, 1, 1)
+        pdk.paged_decode_partials(q, [tier], padded_rows=2, interpret=True)
+
+
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_magic_slices_are_codes_plus_1024(bits):
     rng = np.random.default_rng(bits)
@@ -259,6 +275,14 @@ def test_compiled_work_list_launch_matches_reference_on_gpu(tier_set, D, G, work
 def test_compiled_page_lanes_match_reference_on_gpu(tier_set, D, G, lanes, work_items):
     check_kernel(tier_set, D, G, 1 if work_items else 2, interpret=False, dot_dtype="float16",
                  tol=3e-2, pad=16, page_lanes=lanes, work_items=work_items, seed=lanes + G)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier_set", ["k8v4+k4v2", "16bit"])
+@pytest.mark.parametrize("D,G,lanes", [(128, 4, 2), (64, 3, 1), (128, 8, 1)])
+def test_compiled_rows_padded_in_the_kernel_match_reference_on_gpu(tier_set, D, G, lanes):
+    check_kernel(tier_set, D, G, 1, interpret=False, dot_dtype="float16", tol=3e-2, pad=16,
+                 page_lanes=lanes, work_items=16, seed=40 + G, rows_in_kernel=True)
 
 
 @pytest.mark.gpu
