@@ -112,10 +112,11 @@ def main() -> int:
         tiers = [pdk.TierInput(f, *pdk.page_views(data, f), metas, pg, n)
                  for f, pg, n in zip(fmts, pages, counts)]
         act = jnp.asarray(lens > 0)
-        qg = pdk.pad_group(jax.random.normal(k_q, (S, H, G, D), jnp.float32), 16)
+        qg = jax.random.normal(k_q, (S, H, G, D), jnp.bfloat16)
         work = pdk.plan_work(pdk.row_pages(tiers, act), work_items(S, H))
         o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=_launch(True, D),
-                                                    work=work, padded_stats=True)
+                                                    work=work, padded_stats=True,
+                                                    padded_rows=16)
         kn, vn = jax.random.normal(k_new, (2, S, H, D), jnp.bfloat16)
         partials = RowPartials(o, m, l, work.ranges.reshape(S, H, 2), qg, kn, vn)
         scores = jax.random.uniform(k_sc, (P + 1, caps[1]), jnp.float32, 0.0, 2.0)

@@ -149,8 +149,9 @@ def main() -> int:
                 @jax.jit
                 def work(qg, tiers, act, cfg=lcfg, n_items=n_items, min_pages=min_pages):
                     wl = pdk.plan_work(pdk.row_pages(tiers, act), n_items, min_pages=min_pages)
-                    o, m, l, lg = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg,
-                                                            work=wl)
+                    # As the caches call it: q's real rows, padded in the kernel.
+                    o, m, l, lg = pdk.paged_decode_partials(qg[:, :, :G], tiers, group=G,
+                                                            cfg=cfg, work=wl, padded_rows=16)
                     return pdk.merge_work(o, m, l, wl, S, H)[0], lg
 
                 try:
