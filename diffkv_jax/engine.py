@@ -431,7 +431,8 @@ class Engine(Generator):
         self.wait_seconds = self.host_seconds = 0.0
         self.exposed_host_seconds = 0.0
         self._queued_at, self._busy_until = None, 0.0
-        self._compile_at_queue = 0.0  # compile_seconds when the last step was queued
+        # compile_seconds when the last step was queued / the last real wait ended
+        self._compile_at_queue = self._compile_at_busy = 0.0
         self.peak_memory: dict = {}
         S = method.max_seqs
         # Last sampled token of every slot, kept on the device: a decode step feeds
@@ -601,9 +602,12 @@ class Engine(Generator):
         than the host's last wait, if that wait was real.
         """
         if self._queued_at is not None and wait < self.READY_WAIT_S:
-            since = max(self._queued_at, self._busy_until)
-            # Compilation in between is left out, as from every other rate.
-            compiling = self.compile_seconds - self._compile_at_queue
+            if self._busy_until > self._queued_at:
+                since, compiled_before = self._busy_until, self._compile_at_busy
+            else:
+                since, compiled_before = self._queued_at, self._compile_at_queue
+            # Compilation since then is left out, as from every other rate.
+            compiling = self.compile_seconds - compiled_before
             self.exposed_host_seconds += max(queued - since - compiling, 0.0)
         self._queued_at, self._compile_at_queue = queued, self.compile_seconds
         self._waited(wait, read_at)
@@ -611,8 +615,8 @@ class Engine(Generator):
     def _waited(self, seconds: float, until: float) -> None:
         """A read that blocked ``seconds`` until ``until``: if that was a real wait,
         the device was busy until then, whatever read it was."""
-        if seconds >= self.READY_WAIT_S:
-            self._busy_until = max(self._busy_until, until)
+        if seconds >= self.READY_WAIT_S and until > self._busy_until:
+            self._busy_until, self._compile_at_busy = until, self.compile_seconds
 
     def _drained(self, seconds: float, until: float) -> None:
         # The wait before compiling a new shape: the device was busy until then too.

@@ -258,8 +258,13 @@ def test_exposed_host_time_leaves_out_compilation_and_unaccounted_steps(tiny_mod
     eng._expose(1.5, ready, 1.6)
     assert abs(eng.exposed_host_seconds - 0.2) < 1e-12
     eng._drained(waited, 1.9)             # queued work finished before compiling
+    eng.compile_seconds += 0.05           # compiled after that wait: left out
     eng._expose(2.0, ready, 2.1)
-    assert abs(eng.exposed_host_seconds - 0.3) < 1e-12
+    assert abs(eng.exposed_host_seconds - 0.25) < 1e-12
+    eng.compile_seconds += 0.1            # compiled before a real wait that ended at 2.3:
+    eng._waited(waited, 2.3)              # the idle time counts from the wait, whole
+    eng._expose(2.4, ready, 2.45)
+    assert abs(eng.exposed_host_seconds - 0.35) < 1e-12
     before = (eng.exposed_host_seconds, eng.host_seconds, eng.decode_seconds)
     with eng.unaccounted():
         eng._expose(2.5, ready, 2.6)
