@@ -69,7 +69,7 @@ def _grouped_query(q, H: int):
 
 def _tile_rows(G: int) -> int | None:
     """Rows of the decode kernel's tiles for a group of ``G`` (the GPU dot needs 16)."""
-    return -(-G // 16) * 16 if backend.on_gpu() else None
+    return pdk.padded_group(G, 16) if backend.on_gpu() else None
 
 
 def plan_full_work(lengths, active, page_size: int, H: int) -> pdk.WorkList:

@@ -233,7 +233,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
     def q_part(start, width, dtype):
         rows = slice(None) if n_lanes == 1 else row_iota % Gl
         if q_ref.shape[2] < Gp:  # q holds the real rows only: repeat the last
-            rows = jnp.minimum(row_iota if n_lanes == 1 else rows, q_ref.shape[2] - 1)
+            rows = jnp.minimum(row_iota % Gl, q_ref.shape[2] - 1)
         q = q_ref[s_i, h_i, rows, pl.ds(start, width)]
         return (q.astype(jnp.float32) * qscale).astype(dtype)
 
@@ -676,10 +676,15 @@ def addressable(elements: int, itemsize: int) -> bool:
     return elements <= 2**31 or elements * itemsize > 2**32
 
 
+def padded_group(G: int, multiple: int) -> int:
+    """Rows of a group of ``G`` queries padded to a multiple (the GPU dot needs >= 16)."""
+    return -(-G // multiple) * multiple
+
+
 def pad_group(q, multiple: int):
     """Pad the group axis of ``q [S, H, G, D]`` to a multiple (the GPU dot needs >= 16 rows)."""
     G = q.shape[2]
-    target = -(-G // multiple) * multiple
+    target = padded_group(G, multiple)
     if target == G:
         return q
     return jnp.pad(q, ((0, 0), (0, 0), (0, target - G), (0, 0)))

@@ -96,8 +96,9 @@ def _merge_row(rng_ref, q_ref, kn_ref, vn_ref, o_ref, pm_ref, pl_ref, rows, grou
 
     Items are read ``item_block`` at a time (``OUT_ITEM_BLOCK`` at most for their
     outputs): one gather each, not one dependent load per item. Every split of a
-    row needs ``M`` and ``L`` (the max and sum pass reads only ``m, l``); only the split with ``with_out`` (traced bool) reads the items'
-    outputs, in a second pass at the final max (elsewhere ``out`` is not defined).
+    row needs ``M`` and ``L`` (the max and sum pass reads only ``m, l``); only the
+    split with ``with_out`` (traced bool) reads the items' outputs, in a second pass
+    at the final max (elsewhere ``out`` is not defined).
     """
     D = q_ref.shape[-1]
     N = o_ref.shape[0]

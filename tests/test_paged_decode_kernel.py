@@ -72,7 +72,7 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
     cfg = pdk.LaunchConfig(num_splits=splits, dot_dtype=dot_dtype, lazy_rescale=lazy,
                            sub_slots=sub_slots, page_lanes=page_lanes)
     qk = q if pad is None or rows_in_kernel else pdk.pad_group(q, pad)
-    padded_rows = -(-G // pad) * pad if rows_in_kernel else None
+    padded_rows = pdk.padded_group(G, pad) if rows_in_kernel else None
     active = np.ones(S, bool)
     work = None
     if work_items is not None:
