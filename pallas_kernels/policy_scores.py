@@ -41,10 +41,6 @@ BIG = 2**30
 #: Programs per row on the GPU: a long row's pages are shared by this many, so the
 #: launch does not wait for one program to walk the longest row alone.
 SPLITS = 4
-#: Work items the in-launch merge reads per step: a row has a few (2,048 items over
-#: the active rows' pages), so one gather usually takes them all.
-ITEM_BLOCK = 16
-OUT_ITEM_BLOCK = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,51 +83,37 @@ def no_victims(S: int, H: int):
 
 
 def _merge_row(rng_ref, q_ref, kn_ref, vn_ref, o_ref, pm_ref, pl_ref, rows, group: int,
-               with_out, item_block: int):
+               with_out):
     """The row's exact attention merge (flash-decoding) inside the policy launch: its
     work items' partials ``o, m, l`` (consecutive items ``rng = (first, count)``),
     then the token being decoded (logit ``q . k_new / sqrt(D)``, value ``v_new``).
     Returns ``(out [Gq, D], M [Gq], L [Gq], p_new)`` as :func:`paged_decode.merge_work`
     with its ``extra``, and the newcomer's probability (max over the group).
 
-    Items are read ``item_block`` at a time (``OUT_ITEM_BLOCK`` at most for their
-    outputs): one gather each, not one dependent load per item. Every split of a
-    row needs ``M`` and ``L`` (the max and sum pass reads only ``m, l``); only the
-    split with ``with_out`` (traced bool) reads the items' outputs, in a second pass
-    at the final max (elsewhere ``out`` is not defined).
+    Every split of a row needs ``M`` and ``L`` (the max and sum pass reads only
+    ``m, l``); only the split with ``with_out`` (traced bool) reads the items'
+    outputs, in a second pass at the final max (elsewhere ``out`` is not defined).
     """
     D = q_ref.shape[-1]
-    N = o_ref.shape[0]
     dcol = lax.broadcasted_iota(jnp.int32, (D,), 0)
     first, count = rng_ref[0], rng_ref[1]
-    # The outputs pass gathers [block, Gq, D]: fewer items a step keep its registers low.
-    out_block = min(item_block, OUT_ITEM_BLOCK)
 
-    def items(c, block):
-        """Chunk ``c``'s item indices (clamped in bounds) and which are the row's."""
-        j = c * block + lax.broadcasted_iota(jnp.int32, (block,), 0)
-        return jnp.minimum(first + j, N - 1)[:, None], (j < count)[:, None]
-
-    def stats(c, carry):
+    def stats(j, carry):
         mx, lx = carry
-        w, ok = items(c, item_block)
-        mi = jnp.where(ok, pm_ref[w, rows[None, :]], NEG_INF)  # [item_block, Gq]
-        li = jnp.where(ok, pl_ref[w, rows[None, :]], 0.0)
-        mn = jnp.maximum(mx, jnp.max(mi, axis=0))
-        return mn, lx * jnp.exp(mx - mn) + jnp.sum(li * jnp.exp(mi - mn[None, :]), axis=0)
+        mi, li = pm_ref[first + j, rows], pl_ref[first + j, rows]
+        mn = jnp.maximum(mx, mi)
+        return mn, lx * jnp.exp(mx - mn) + li * jnp.exp(mi - mn)
 
     Gq = rows.shape[0]
-    init = (jnp.full((Gq,), NEG_INF, jnp.float32), jnp.zeros((Gq,), jnp.float32))
-    mx, lx = lax.fori_loop(0, (count + item_block - 1) // item_block, stats, init)
+    mx, lx = lax.fori_loop(0, count, stats, (jnp.full((Gq,), NEG_INF, jnp.float32),
+                                             jnp.zeros((Gq,), jnp.float32)))
 
-    def outputs(c, ox):
-        w, ok = items(c, out_block)
-        wt = jnp.where(ok, jnp.exp(pm_ref[w, rows[None, :]] - mx[None, :]), 0.0)
-        oi = o_ref[w[:, :, None], rows[None, :, None], dcol[None, None, :]]
-        return ox + jnp.sum(oi * wt[:, :, None], axis=0)
+    def outputs(j, ox):
+        w = first + j
+        oi = o_ref[w, rows[:, None], dcol[None, :]]
+        return ox + oi * jnp.exp(pm_ref[w, rows] - mx)[:, None]
 
-    out_chunks = (count + out_block - 1) // out_block
-    ox = lax.fori_loop(0, jnp.where(with_out, out_chunks, 0), outputs,
+    ox = lax.fori_loop(0, jnp.where(with_out, count, 0), outputs,
                        jnp.zeros((Gq, D), jnp.float32))
     q = q_ref[rows[:, None], dcol[None, :]].astype(jnp.float32)
     s_new = jnp.sum(q * kn_ref[...].astype(jnp.float32)[None, :], axis=1) / math.sqrt(D)
@@ -144,8 +126,7 @@ def _merge_row(rng_ref, q_ref, kn_ref, vn_ref, o_ref, pm_ref, pl_ref, rows, grou
 
 
 def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimRule,
-            group: int, block: int, splits: int, interpret: bool, fused: bool,
-            item_block: int):
+            group: int, block: int, splits: int, interpret: bool, fused: bool):
     n_t = len(caps)
     n_in = 7 if fused else 2
     stats_refs, (row_ref, pos_ref, sc_in) = refs[:n_in], refs[n_in:n_in + 3]
@@ -161,8 +142,7 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
     rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (Gq,), 0), group - 1)
     split = pl.program_id(2)
     if fused:
-        out, M, L, p_new = _merge_row(*stats_refs, rows, group, with_out=split == 0,
-                                      item_block=item_block)
+        out, M, L, p_new = _merge_row(*stats_refs, rows, group, with_out=split == 0)
         M2 = M * LOG2E
         out_ref, st_ref = merged_refs
         # Every split of the row computes M and L (its probabilities need them) and
@@ -275,7 +255,7 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
                   caps: Sequence[int], group: int, rule: VictimRule = VictimRule(),
                   block: int = 512, splits: int | None = None, num_warps: int = 4,
                   num_stages: int = 2, interpret: bool | None = None, merge: bool = True,
-                  partials: RowPartials | None = None, item_block: int = ITEM_BLOCK):
+                  partials: RowPartials | None = None):
     """Add this step's probabilities to the scores and find each row's victims.
 
     Args:
@@ -307,8 +287,6 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
         interpret = backend.default_interpret()
     if splits is None:
         splits = 1 if interpret else SPLITS
-    if item_block < 1 or item_block & (item_block - 1):
-        raise ValueError(f"item_block must be a power of two, got {item_block}")
     S, H = n_tok[0].shape
     n_t = len(caps)
     K = splits
@@ -347,7 +325,7 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
     kernel = functools.partial(_kernel, caps=tuple(caps),
                                widths=tuple(p.shape[-1] for p in pages), rule=rule, group=group,
                                block=block, splits=K, interpret=interpret,
-                               fused=partials is not None, item_block=item_block)
+                               fused=partials is not None)
     new_scores, vi, vf, *merged = pl.pallas_call(
         kernel, grid=(S, H, K), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={len(stats) + 2: 0}, interpret=interpret,

@@ -15,8 +15,8 @@ the caches call it (the merge inside, victims left per split for the
 token-writes launch, scores updated in place; ``--launches`` of them chained
 in one call, as a decode step runs one per layer, so the time is the
 device's, not the call's dispatch) and each ``--variants`` entry: a
-comma-separated list of ``splits``, ``block``, ``warps``, ``stages``,
-``item_block`` (entries separated by ``;``). Every variant is checked against
+comma-separated list of ``splits``, ``block``, ``warps``, ``stages``
+(entries separated by ``;``). Every variant is checked against
 the caches' settings on the same inputs first (scores, the row outputs, the
 victims).
 Llama3-8B head shapes.
@@ -33,8 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SETTINGS = {"splits": "splits", "block": "block", "warps": "num_warps", "stages": "num_stages",
-            "item_block": "item_block"}
+SETTINGS = {"splits": "splits", "block": "block", "warps": "num_warps", "stages": "num_stages"}
 
 
 def parse_variant(spec: str) -> dict:
@@ -183,7 +182,7 @@ def main() -> int:
             rows.append(dict(active=A, variant=name, ms=ms, bytes=nbytes,
                              tbps=nbytes / (ms * 1e-3) / 1e12, victims_agree=agree,
                              max_diff=diff))
-        print(f"done active={A}", flush=True)
+            print(f"  active {A} {name}: {ms:.4f} ms, victims {agree:.1%}", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as fh:
         json.dump({"device": jax.devices()[0].device_kind, "args": vars(args), "rows": rows},
