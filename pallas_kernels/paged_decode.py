@@ -367,11 +367,16 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 r = backend.dot_acc(r, pv, jnp.ones((RW, cap), qdt), trans_b=True)
             return pv, r, z + jnp.sum(p * tile(vz), axis=1)
 
+        # A page ID read from the table stays inside the pool even where the table
+        # names no page (its entry past the pool): a corrupt row reads wrong data,
+        # never past the pool's end.
+        in_pool = lambda page: jnp.minimum(page, k_ref.shape[0] - 1)  # noqa: E731
+
         def body(j, carry):
             if n_sub == 1:
-                page, at = pages_ref[s_i, h_i, j], 0
+                page, at = in_pool(pages_ref[s_i, h_i, j]), 0
             else:
-                page, at = pages_ref[s_i, h_i, j // n_sub], (j % n_sub) * cap
+                page, at = in_pool(pages_ref[s_i, h_i, j // n_sub]), (j % n_sub) * cap
             valid = j * cap + col_iota < n_tok
             if fmt.quantized:
                 s = logits(key_dot(page, at), km_ref[page, pl.ds(at, cap)])
@@ -391,7 +396,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         def lane_body(j, carry):
             """One step over ``n_lanes`` pages: lane r takes page first + j * n_lanes + r."""
             base = first + j * n_lanes
-            lane_page = [pages_ref[s_i, h_i, jnp.minimum(base + r, last - 1)]
+            lane_page = [in_pool(pages_ref[s_i, h_i, jnp.minimum(base + r, last - 1)])
                          for r in range(n_lanes)]
             lane_col = lane_of_row[:, None]
             tok = (base + lane_of_row)[:, None] * cap + col_iota[None, :]  # tier token index

@@ -177,7 +177,10 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
             slot = j * n + lane
             col = jnp.minimum(slot, width * cap - 1)
             page_idx = slot // cap
-            page = pages_ref[jnp.minimum(page_idx, width - 1)]  # [n] (each page cap times)
+            # [n] (each page cap times). Lanes past the row's pages may name no page
+            # (the table's entry past the pool): their reads stay inside it.
+            page = jnp.minimum(pages_ref[jnp.minimum(page_idx, width - 1)],
+                               sc_ref.shape[0] - 1)
             within = slot % cap
             lg = lg_ref[rows[:, None], col[None, :]]  # [Gq, n]
             p = jnp.max(jnp.exp2(lg - M2[:, None]) * inv_l[:, None], axis=0)

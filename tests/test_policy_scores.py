@@ -91,6 +91,44 @@ def test_inactive_rows_and_foreign_pages_are_untouched():
         assert (np.asarray(v[0])[1] == -1).all()
 
 
+def no_page_past_rows(pages, n_tok, caps, P):
+    """The engine's page tables: columns past a row's pages name no page (``P``, the
+    entry past the pool), as after admission."""
+    out = []
+    for pg, nt, cap in zip(pages, n_tok, caps):
+        own = jnp.arange(pg.shape[-1])[None, None, :] < (-(-nt // cap))[..., None]
+        out.append(jnp.where(own, pg, P))
+    return out
+
+
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)],
+                         ids=["here", "gpu"])
+def test_columns_naming_no_page_give_the_same_scores_and_victims(interpret):
+    # A row's last step of ``block`` tokens covers columns past its pages, which in
+    # the engine name no page (the entry past the pool): the launch must neither
+    # read nor write the pool there (on the GPU such a read lands past the end of
+    # the scores and positions arrays; interpret mode clamps it, so here the test
+    # checks the results only) and find what it finds with the stale IDs.
+    caps = (32, 64) if not interpret else (8, 16)
+    shape = dict(W=(3, 2), P=40, slots=64) if not interpret else {}
+    rng = np.random.default_rng(31)
+    logits, probs, M, L, pages, n_tok, cur, plen, scores, positions = case(rng, caps, **shape)
+    P = scores.shape[0]
+    rule = VictimRule("diffkv", window=100)
+    kw = dict(caps=caps, group=3, rule=rule, interpret=interpret)
+    stale = score_victims(logits, M, L, pages, n_tok, cur, plen, scores, positions, **kw)
+    none = score_victims(logits, M, L, no_page_past_rows(pages, n_tok, caps, P), n_tok, cur,
+                         plen, scores, positions, **kw)
+    ref_s, ref_v = score_victims_reference(probs, pages, n_tok, cur, plen, scores, positions,
+                                           caps=caps, rule=rule)
+    np.testing.assert_array_equal(none[0], stale[0])
+    np.testing.assert_allclose(none[0], ref_s, rtol=1e-5, atol=1e-6)
+    for a, b, r in zip(none[1], stale[1], ref_v):
+        np.testing.assert_array_equal(a[0], b[0])
+        if interpret:
+            np.testing.assert_array_equal(a[0], r[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rule", [VictimRule("diffkv", window=100), VictimRule("h2o", window=50),
                                   VictimRule("streamingllm", sinks=40)])
