@@ -51,6 +51,7 @@ import dataclasses
 import functools
 import itertools
 import time
+import warnings
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
@@ -62,7 +63,7 @@ from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams,
                                    decode_width, next_pow2, page_width,
                                    prompt_page_width)
-from diffkv_jax.steps import pool_counts
+from diffkv_jax.steps import GROWTH_STEPS, pool_counts
 
 
 Detokenizer = Callable[[list[int]], str]
@@ -349,6 +350,13 @@ class Engine(Generator):
         :class:`models.tokenizer.Tokenizer` (``decode(ids)``, special tokens kept).
         Without one, requests with ``stop_strings`` are refused.
 
+    The host admits and preempts so that no device allocation can find the pool
+    too short. Should one ever do (a defect in that accounting), the engine
+    learns it with the step's results, preempts every running request and
+    recomputes it from the tokens sampled before the failing call
+    (:attr:`allocation_recoveries` counts it, with a ``RuntimeWarning``): no
+    request continues from a cache that missed a page.
+
     Timing counters (compilation excluded): ``wait_seconds`` is the time
     :meth:`step` spent blocked on device results, ``call_seconds`` the time
     inside device calls (where the runtime dispatches asynchronously, only the
@@ -446,6 +454,15 @@ class Engine(Generator):
         self._snapshot = jax.jit(lambda st: jax.tree_util.tree_map(
             jnp.copy, method.accounting_arrays(st)))
         self._pending: list[_Dispatch] = []
+        self._last_order = -1  # the latest dispatch recorded
+        # A device allocation that found the pool too short (the host's reserve fell
+        # short: a defect, never a workload): the first dispatch that reported it, and
+        # the last dispatch before the flag was cleared (their reports are stale).
+        self.allocation_recoveries = 0
+        self._alloc_failed_at: int | None = None
+        self._flags_cleared_at = -1
+        self._clear_alloc_failed = jax.jit(
+            lambda st: st.replace(alloc_failed=jnp.zeros((), bool)), donate_argnums=0)
         # Free pages: exact after dispatch `_base_order`, minus the most each later
         # dispatch may have allocated (releases count 0 until read): prompt pages
         # in `_costs`, decode growth from `_growth_log` and the base's growth bound.
@@ -572,6 +589,8 @@ class Engine(Generator):
         t0, c0, k0 = time.perf_counter(), self.compile_seconds, self.call_seconds
         w0 = self.wait_seconds
         new: dict[int, list[int]] = collections.defaultdict(list)
+        if self._alloc_failed_at is not None:
+            self._recover_allocation(new)
         unread = len(self._pending)
         prefilled = self._admit()
         self._preempt_if_needed(new)
@@ -692,6 +711,7 @@ class Engine(Generator):
         """Record a device call: ``cost`` pages it allocates at most besides decode
         growth; ``growth``: ("decode", rows) or ("admit", rows that will decode)."""
         d = _Dispatch(order=next(self._orders), counts=counts, **fields)
+        self._last_order = d.order
         self._costs[d.order] = cost
         if growth is not None:
             self._growth_log[d.order] = growth
@@ -956,6 +976,8 @@ class Engine(Generator):
         done = []
         for d, (counts, tokens) in zip(dispatches, host):
             self._mark_read(d, counts)
+            if self._alloc_failed_at is not None and d.order > self._alloc_failed_at:
+                continue  # sampled after a failed allocation: recomputed after the recovery
             for i, rid, epoch in d.rows:
                 r = self.requests[rid]
                 if r.epoch != epoch or r.status != "running":
@@ -970,10 +992,13 @@ class Engine(Generator):
 
     def _mark_read(self, d: _Dispatch, counts) -> None:
         d.read = True
+        counts = np.asarray(counts)
+        if (counts[1 + GROWTH_STEPS] and d.order > self._flags_cleared_at
+                and self._alloc_failed_at is None):
+            self._alloc_failed_at = d.order
         if d.order > self._base_order:
-            counts = np.asarray(counts)
             self._base_order, self._base_free = d.order, int(counts[0])
-            growth = counts[1:]
+            growth = counts[1:1 + GROWTH_STEPS]
             # The bound holds for its leading non-negative entries (-1: no bound).
             valid = int(np.argmin(growth >= 0)) if (growth < 0).any() else len(growth)
             self._base_growth = growth[:valid] if valid else None
@@ -981,6 +1006,36 @@ class Engine(Generator):
             self._growth_log = {o: e for o, e in self._growth_log.items() if o > d.order}
         if d.accounting is not None:
             self._read_accounting(d)
+
+    def _recover_allocation(self, new) -> None:
+        """Recover from an allocation that found the pool too short on the device.
+
+        A row whose allocation failed misses a page, so its later steps would attend
+        to (and write) less than its tokens. Every result is read; tokens sampled
+        after the failing call are dropped; every running request is preempted and
+        recomputed from the tokens before (all of them: the host cannot tell which
+        rows the failed allocation served), so no request continues from a cache
+        that missed a page; then the flag is cleared. Counted in
+        :attr:`allocation_recoveries`.
+        """
+        failed_at = self._alloc_failed_at
+        self.wait_seconds += self._collect([d for d in self._pending if not d.read], new)
+        # Newest first, so that the oldest request ends at the front of the queue.
+        slots = sorted((s for s, rid in enumerate(self.slots) if rid is not None),
+                       key=lambda s: -self.slots[s])
+        for s in slots:
+            self.requests[self.slots[s]].preemptions += 1
+        release = self._free_slots(slots, requeue=True)
+        self.state = self._run("clear_alloc_failed", None, self._clear_alloc_failed,
+                               self.state)
+        self._flags_cleared_at = self._last_order
+        if release is not None:
+            self._read_dispatch(release)  # the exact free count again
+        self._alloc_failed_at = None
+        self.allocation_recoveries += 1
+        warnings.warn(f"a device allocation found the page pool too short (dispatch "
+                      f"{failed_at}); {len(slots)} running requests were preempted and "
+                      "will be recomputed", RuntimeWarning, stacklevel=3)
 
     def _accept(self, r: Request, token: int, new) -> bool:
         """Record a sampled token; True when the request has finished."""

@@ -59,14 +59,18 @@ GROWTH_STEPS = 4
 
 
 def pool_counts(method, state) -> jax.Array:
-    """``[1 + GROWTH_STEPS]`` int32: the free pages, then for ``m = 1 ..
+    """``[2 + GROWTH_STEPS]`` int32: the free pages, then for ``m = 1 ..
     GROWTH_STEPS`` the most pages the next ``m`` decode steps can allocate
-    (``method.growth_bound``; -1 where the method gives no bound). The engine
-    reserves that much instead of a worst case per running row."""
+    (``method.growth_bound``; -1 where the method gives no bound), then 1 if an
+    allocation has found the pool too short since the flag was last cleared
+    (``state.alloc_failed``), else 0. The engine reserves the growth bound instead
+    of a worst case per running row, and recovers when the flag is set."""
     bound = getattr(method, "growth_bound", None)
     growth = (bound(state, GROWTH_STEPS) if bound is not None
               else jnp.full((GROWTH_STEPS,), -1, jnp.int32))
-    return jnp.concatenate([state.free.num_free.reshape(1), growth]).astype(jnp.int32)
+    failed = getattr(state, "alloc_failed", jnp.zeros((), bool))
+    return jnp.concatenate([state.free.num_free.reshape(1), growth,
+                            failed.reshape(1)]).astype(jnp.int32)
 
 
 def decode_and_sample(method, cfg, dtype, params, state, batch: DecodeBatch,

@@ -142,6 +142,9 @@ def run_method(label, name, options, cfg, params, args, prompts):
         # Steps that read every result in flight before preempting (the exact free
         # count), and the caches swapped out / in (--preemption swap).
         preemption_syncs=engine.preemption_syncs,
+        # Recoveries from a device allocation that found the pool too short (0 unless
+        # the host's page reserve is wrong; every running request recomputed).
+        allocation_recoveries=engine.allocation_recoveries,
         swap_outs=engine.swap_outs, swap_ins=engine.swap_ins,
         swap_moved_gb=engine.swap_moved_bytes / 2**30,
         # Prompt tokens prefilled, recomputation after preemption included.
@@ -296,7 +299,8 @@ def main() -> int:
               f"{res['prompt_tokens']} prompt tokens, "
               f"{res['preemptions']} preemptions ({res['swap_outs']} swapped out, "
               f"{res['swap_moved_gb']:.1f} GiB moved; {res['preemption_syncs']} steps read "
-              f"everything before preempting); compile {res['compile_s']:.0f} s for "
+              f"everything before preempting, {res['allocation_recoveries']} allocation "
+              f"recoveries); compile {res['compile_s']:.0f} s for "
               f"{res['executables']} executables", flush=True)
         if res["step_profile"]:
             prof = res["step_profile"]

@@ -114,6 +114,47 @@ def test_stress_preemption_cancellation_and_leaks(tiny_model, chunk):
         assert any(name == "prefill" and key[2] > 0 for name, key in eng._executables)
 
 
+@pytest.mark.parametrize("kind", ["full", "diffkv"])
+def test_a_reserve_that_falls_short_is_recovered_without_a_wrong_token(tiny_model, kind):
+    """The host's page reserve keeps device allocations from failing; were it ever
+    short, rows that missed a page must not go on. Forced here by reserving nothing
+    for decode growth: the engine drops what was sampled after the failing call,
+    preempts every running request and recomputes, so the uncompressed cache's
+    outputs still match serving each request alone, and nothing leaks."""
+    cfg, params = tiny_model
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(0, cfg.vocab_size, size=rng.integers(20, 41)))
+               for _ in range(12)]
+    sampling = [SamplingParams(max_new_tokens=40)] * 12
+    opts = dict(max_context=128, window=8) if kind == "diffkv" else {}
+    probe = make_engine(cfg, params, kind=kind, **opts)
+    eng = make_engine(cfg, params, kind=kind, pages=probe.method.pages_for_tokens(80) * 2,
+                      **opts)
+    honest = eng._step_reserve
+    eng._step_reserve = lambda rows, new=0: 0
+    ids = [eng.add_request(p, s) for p, s in zip(prompts, sampling)]
+    with pytest.warns(RuntimeWarning, match="too short"):
+        for _ in range(300):
+            eng.step()
+            if eng.allocation_recoveries or not eng.has_unfinished():
+                break
+    assert eng.allocation_recoveries >= 1
+    eng._step_reserve = honest
+    steps = 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        assert steps < 5000
+    reqs = [eng.requests[i] for i in ids]
+    assert all(r.status == "finished" and len(r.output) == s.max_new_tokens
+               for r, s in zip(reqs, sampling))
+    assert any(r.preemptions for r in reqs)
+    if kind == "full":
+        assert [r.output for r in reqs] == alone(cfg, params, prompts, sampling)
+    assert eng.free_pages == eng.num_pages
+    assert not bool(eng.state.alloc_failed)
+
+
 def test_diffkv_engine_serves_and_returns_every_page(tiny_model):
     cfg, params = tiny_model
     rng = np.random.default_rng(2)

@@ -32,7 +32,8 @@ def test_growth_bound_covers_the_allocations_of_the_next_steps(tiny_model, kind,
     for step in range(40):
         counts = np.asarray(pool_counts(m, state))
         free.append(int(counts[0]))
-        bounds.append(counts[1:])
+        bounds.append(counts[1:1 + GROWTH_STEPS])
+        assert counts[-1] == 0  # no allocation failed
         if step == 20:
             active[1] = False  # a row stops decoding: the bound may only overestimate
         width = decode_width(m, int(lens.max()) + step + 2)
