@@ -752,13 +752,12 @@ class DiffKVCache(SlotAccounting):
         fmt = self._token_format
         data, k_meta, v_meta, scores, positions, n_tok = tw.decide_and_write(
             state.data, state.k_meta, state.v_meta, state.scores, state.positions,
-            victims=partial_victims, n_tok=state.n_tok[:S, layer],
-            rows=state.page_table[:S, layer], cur=state.seq_len[:S], active=active,
-            k_new=k_new, v_new=v_new, p_new=p_new,
+            state.n_tok, layer=layer, victims=partial_victims, page_table=state.page_table,
+            cur=state.seq_len[:S], active=active, k_new=k_new, v_new=v_new, p_new=p_new,
             decide=functools.partial(pol.decode_decision, self.policy),
             place=self.placements, high=fmt(HI), low=fmt(LO))
         return state.replace(data=data, k_meta=k_meta, v_meta=v_meta, scores=scores,
-                             positions=positions, n_tok=state.n_tok.at[:S, layer].set(n_tok))
+                             positions=positions, n_tok=n_tok)
 
     def _write_scatters(self, state: DiffKVState, demote, newcomer) -> DiffKVState:
         """The writes of :meth:`apply_decision` as XLA gathers and scatters: the demoted

@@ -150,12 +150,13 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
         if interpret:
             @pl.when(split == 0)
             def _():
-                out_ref[...] = out
+                out_ref[...] = out.astype(out_ref.dtype)
         else:
             from jax.experimental.pallas import triton as plgpu
 
             mask = (lax.broadcasted_iota(jnp.int32, out.shape, 0) < group) & (split == 0)
-            plgpu.store(out_ref.at[rows, pl.ds(0, out.shape[1])], out, mask=mask)
+            plgpu.store(out_ref.at[rows, pl.ds(0, out.shape[1])], out.astype(out_ref.dtype),
+                        mask=mask)
         g_iota = lax.broadcasted_iota(jnp.int32, (Gq,), 0)
         pick = lambda x, g: jnp.sum(jnp.where(g_iota == g, x, 0.0))  # noqa: E731
         st_ref[...] = _lanes([pick(M, g) for g in range(group)]
@@ -282,7 +283,8 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
       ``(scores, victims)``; ``victims`` per tier ``(slot, key, pos, score)``, each
       ``[S, H]``: the victim's slot in the row's tier (-1 when none is eligible),
       its key, position and updated score. With ``partials`` also ``(out [S, H, G,
-      D], M, L [S, H, G], p_new [S, H])``: the attention output, the merged softmax
+      D], M, L [S, H, G], p_new [S, H])``: the attention output (in ``q``'s dtype,
+      computed in float32), the merged softmax
       statistics and the newcomer's probability, as
       :func:`paged_decode.merge_work` with the newcomer as its ``extra``.
     """
@@ -321,7 +323,9 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
     if partials is not None:
         D = partials.q.shape[-1]
         n_stat = pl.next_power_of_2(2 * group + 1)
-        out_shape += [jax.ShapeDtypeStruct((S, H, group, D), jnp.float32),
+        # The row outputs in q's dtype: the model's next op takes that dtype (a
+        # separate conversion launch per layer otherwise).
+        out_shape += [jax.ShapeDtypeStruct((S, H, group, D), partials.q.dtype),
                       jax.ShapeDtypeStruct((S, H, n_stat), jnp.float32)]
         out_specs += [pl.BlockSpec((None, None, group, D), lambda s, h, k: (s, h, 0, 0)),
                       pl.BlockSpec((None, None, n_stat), lambda s, h, k: (s, h, 0))]

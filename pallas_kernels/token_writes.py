@@ -264,77 +264,94 @@ def _row_victim(vi_ref, vf_ref, t: int):
                        vf_ref[:, 2 * t], vf_ref[:, 2 * t + 1])
 
 
-def _decide_kernel(vi_ref, vf_ref, n_ref, rows_ref, info_ref, k_ref, v_ref, p_ref, *refs,
+def _decide_kernel(vi_ref, vf_ref, info_ref, k_ref, v_ref, p_ref, layer_ref, table_ref, *refs,
                    decide, place, high: TokenFormat, low: TokenFormat, interpret: bool):
-    pool, n_out_ref = _Pool(refs[5:10], interpret), refs[10]
+    # refs: the pools and the tier counts as inputs (aliased, unread), then as outputs.
+    pool, n_ref = _Pool(refs[6:11], interpret), refs[11]
+    s_i, h_i, layer = pl.program_id(0), pl.program_id(1), layer_ref[0]
     (vh, key_h, pos_h, score_h), (vl, key_l, pos_l, _) = (_row_victim(vi_ref, vf_ref, t)
                                                           for t in (0, 1))
-    n_high, n_low, cur, act = n_ref[0], n_ref[1], info_ref[0], info_ref[1] > 0
+    # The row's counts in the whole array (read from the output, as the pools are).
+    n_row = n_ref[s_i, layer, h_i, :]
+    n_high, n_low = n_ref[s_i, layer, h_i, 0], n_ref[s_i, layer, h_i, 1]
+    cur, act = info_ref[0], info_ref[1] > 0
     d = decide(vh, key_h, pos_h, vl, key_l, pos_l, n_high, n_low, cur)
-    R = rows_ref.shape[0]
-    page_at = lambda col: rows_ref[jnp.clip(col, 0, R - 1)]  # noqa: E731
+    R = table_ref.shape[-1]
+    page_at = lambda col: table_ref[s_i, layer, h_i, jnp.clip(col, 0, R - 1)]  # noqa: E731
     src_page, src_slot, low_page, low_slot, new_page, new_slot = place(
         d, vh, act, page_at, jnp.int32(pool.P))  # a page past the pool drops the write
     # The demoted victim first: it is read from its high slot, which the newcomer may take.
     k_parts, v_parts = pool.read(high, src_page, src_slot)
     pool.write(low, low_page, low_slot, k_parts, v_parts, score_h, pos_h)
-    pool.write(high, new_page, new_slot, _quarters(k_ref, high.head_dim),
-               _quarters(v_ref, high.head_dim), p_ref[...], cur)
+    f32 = lambda parts: [x.astype(jnp.float32) for x in parts]  # noqa: E731
+    pool.write(high, new_page, new_slot, f32(_quarters(k_ref, high.head_dim)),
+               f32(_quarters(v_ref, high.head_dim)), p_ref[...], cur)
     lane = lax.broadcasted_iota(jnp.int32, (2,), 0)
     after = jnp.where(lane == 0, d["n_high"], d["n_low"]).astype(jnp.int32)
-    n_out_ref[...] = jnp.where(act, after, n_ref[...])
+    n_ref[s_i, layer, h_i, :] = jnp.where(act, after, n_row)
 
 
-def decide_and_write(data, k_meta, v_meta, scores, positions, *, victims, n_tok, rows, cur,
-                     active, k_new, v_new, p_new, decide, place, high: TokenFormat,
-                     low: TokenFormat, interpret: bool | None = None):
+def decide_and_write(data, k_meta, v_meta, scores, positions, n_tok, *, layer, victims,
+                     page_table, cur, active, k_new, v_new, p_new, decide, place,
+                     high: TokenFormat, low: TokenFormat, interpret: bool | None = None):
     """One DiffKV decode step's decision and token writes per row, one launch per layer.
 
     Each row merges its victims from the policy kernel's partial ones, takes the
     decision (``decide``, e.g. ``functools.partial(diffkv_policy.decode_decision,
     policy)``, on the row's scalars), looks its pages up in its page-table row
-    (``place``: ``DiffKVCache.placements``, the XLA path's own), and writes: the demoted victim re-quantized from its high slot into a low slot (or
-    nowhere), then the newcomer into its high slot, as :func:`write_tokens` with a
-    :class:`MovedToken` and a :class:`NewToken`.
+    (``place``: ``DiffKVCache.placements``, the XLA path's own), and writes: the
+    demoted victim re-quantized from its high slot into a low slot (or nowhere),
+    then the newcomer into its high slot, as :func:`write_tokens` with a
+    :class:`MovedToken` and a :class:`NewToken`. The tier counts and the page
+    table are the cache's whole arrays, indexed by ``layer`` in the launch (no
+    per-layer slice or update of them outside it); the counts are updated in place.
 
     Args:
       victims: ``(vi, vf)`` of ``policy_scores.score_victims(..., merge=False)`` over
         the high and the low tier.
-      n_tok: ``[S, H, 2]`` tokens held per tier; rows: ``[S, H, R]`` the layer's
-        page-table rows (high pages from the left, low pages from the right end).
+      n_tok: ``[S', L, H, 2]`` tokens held per tier by every row (``S' >= S``) and
+        layer; layer: the layer (an int32 scalar, traced or not); page_table:
+        ``[S', L, H, R]`` (high pages from the left of a row, low pages from the
+        right end).
       cur: ``[S]`` the newcomer's position; active: ``[S]`` rows that decode (the
         others write nothing and keep their counts).
-      k_new, v_new: ``[S, H, D]``; p_new: ``[S, H]`` the newcomer's score.
+      k_new, v_new: ``[S, H, D]`` (any float dtype); p_new: ``[S, H]`` the
+        newcomer's score.
     Returns:
-      ``(data, k_meta, v_meta, scores, positions, n_tok)``, ``n_tok [S, H, 2]`` after.
+      ``(data, k_meta, v_meta, scores, positions, n_tok)``, ``n_tok`` whole, the
+      layer's first ``S`` rows after the step.
     """
     if interpret is None:
         interpret = backend.default_interpret()
     if not interpret:
         _check_quarters(high.head_dim)
     vi, vf = victims
-    S, H = n_tok.shape[:2]
+    S, H = k_new.shape[:2]
+    if n_tok.dtype != jnp.int32 or n_tok.shape[0] < S or n_tok.shape[2] != H:
+        raise ValueError(f"n_tok must be int32 [>= {S}, L, {H}, 2], got {n_tok.dtype} "
+                         f"{n_tok.shape}")
     info = jnp.stack([jnp.broadcast_to(cur[:, None], (S, H)),
                       jnp.broadcast_to(active[:, None], (S, H))], -1).astype(jnp.int32)
-    args = [vi.astype(jnp.int32), vf.astype(jnp.float32), n_tok.astype(jnp.int32),
-            rows.astype(jnp.int32), info, k_new.astype(jnp.float32),
-            v_new.astype(jnp.float32), p_new.astype(jnp.float32)[..., None]]
+    args = [vi.astype(jnp.int32), vf.astype(jnp.float32), info, k_new, v_new,
+            p_new.astype(jnp.float32)[..., None]]
     row = lambda a: pl.BlockSpec((None, None) + a.shape[2:],  # noqa: E731
                                  lambda s, h: (s, h) + (0,) * (a.ndim - 2))
-    pools = [data, k_meta, v_meta, scores, positions]
     whole = lambda a: pl.BlockSpec(a.shape, lambda s, h: (0,) * a.ndim)  # noqa: E731
-    n_out = jax.ShapeDtypeStruct((S, H, 2), jnp.int32)
+    indexed = [jnp.asarray(layer, jnp.int32).reshape(1), page_table.astype(jnp.int32)]
+    updated = [data, k_meta, v_meta, scores, positions, n_tok]  # in place
+    n_in = len(args) + len(indexed)
     kernel = functools.partial(_decide_kernel, decide=decide, place=place, high=high, low=low,
                                interpret=interpret)
     return tuple(pl.pallas_call(
-        kernel, grid=(S, H), in_specs=[row(a) for a in args] + [whole(a) for a in pools],
-        out_specs=[whole(a) for a in pools] + [row(n_out)],
-        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in pools] + [n_out],
-        input_output_aliases={len(args) + i: i for i in range(len(pools))},
+        kernel, grid=(S, H),
+        in_specs=[row(a) for a in args] + [whole(a) for a in indexed + updated],
+        out_specs=[whole(a) for a in updated],
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in updated],
+        input_output_aliases={n_in + i: i for i in range(len(updated))},
         interpret=interpret,
         compiler_params=None if interpret else backend.compiler_params(1, 1),
         name="decide_and_write",
-    )(*args, *pools))
+    )(*args, *indexed, *updated))
 
 
 def read_token_reference(data, k_meta, v_meta, fmt: TokenFormat, page, slot):

@@ -164,12 +164,14 @@ def merged_reference(work, o, m, l, q, k_new, v_new):
     return out, M, L, jnp.max(jnp.exp(s_new - M) / L, axis=-1)
 
 
-def fused_and_reference(rng, interpret, caps=(8, 16), splits=None, **case_args):
+def fused_and_reference(rng, interpret, caps=(8, 16), splits=None, q_dtype=jnp.float32,
+                        **case_args):
     from pallas_kernels.policy_scores import RowPartials
 
     logits, _, _, _, pages, n_tok, cur, plen, scores, positions = case(rng, caps, **case_args)
     work, o, m, l, q, k_new, v_new = merge_case(rng)
-    ref_merged = merged_reference(work, o, m, l, q, k_new, v_new)
+    q = q.astype(q_dtype)
+    ref_merged = merged_reference(work, o, m, l, q.astype(jnp.float32), k_new, v_new)
     ref = score_victims(logits, ref_merged[1], ref_merged[2], pages, n_tok, cur, plen, scores,
                         positions, caps=caps, group=3, interpret=interpret)
     parts = RowPartials(o, m, l, work.ranges.reshape(3, 2, 2), q, k_new, v_new)
@@ -202,6 +204,16 @@ def test_merge_inside_the_policy_launch_matches_the_xla_merge():
         score_victims(logits, M, L, pages, n_tok, cur, plen, scores, positions, caps=(8, 16),
                       group=3, interpret=True,
                       partials=RowPartials(o, m, l, work.ranges.reshape(3, 2, 2), q, k, v))
+
+
+def test_merge_inside_the_policy_launch_writes_the_output_in_the_query_dtype():
+    # A bfloat16 model reads the attention output as bfloat16 next: the launch writes
+    # it so (computed in float32, rounded once), with no conversion launch after it.
+    got, ref = fused_and_reference(np.random.default_rng(23), True, q_dtype=jnp.bfloat16)
+    out, ref_out = got[2][0], ref[2][0]
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out, ref_out.astype(jnp.bfloat16))
+    check_fused((got[0], got[1], got[2][1:]), (ref[0], ref[1], ref[2][1:]), 2e-5)
 
 
 def test_merge_inside_the_policy_launch_with_several_splits_per_row():
