@@ -100,6 +100,8 @@ def run_method(label, name, options, cfg, params, args, prompts):
     if args.warm_up:  # counted in the wall limit, excluded (as compilation) from the rates
         engine.warm_up()
     profile, profile_s, profile_tokens = None, 0.0, 0
+    generated = 0  # tokens returned by the steps counted (the traced ones left out)
+    cut = False  # whether the wall limit ended the run before the time limit
     while engine.has_unfinished():
         if (args.profile_steps and profile is None
                 and time.perf_counter() - t_start - engine.compile_seconds - profile_s
@@ -117,12 +119,18 @@ def run_method(label, name, options, cfg, params, args, prompts):
         steps.append((wall, wait, calls))
         if engine.prefill_seconds == pre0:
             decode_walls.append(wall)
-        batch_trace.append((t1 - t_start - engine.compile_seconds, running))
+        generated += sum(len(v) for v in new.values())
+        # (seconds served, running requests, tokens generated so far): rates over any
+        # window, e.g. the one two methods share (scripts/compare_throughput.py).
+        batch_trace.append((t1 - t_start - engine.compile_seconds - profile_s, running,
+                            generated))
         for rid in new:
             # Seconds since submission, compilation so far excluded.
             first_token.setdefault(rid, t1 - submitted - engine.compile_seconds)
-        if (t1 - t_start - engine.compile_seconds - profile_s > args.time_limit
-                or t1 - t_start > args.wall_limit):
+        if t1 - t_start - engine.compile_seconds - profile_s > args.time_limit:
+            break
+        if t1 - t_start > args.wall_limit:
+            cut = True
             break
     wall = time.perf_counter() - t_start - engine.compile_seconds - profile_s
     gen_tokens = sum(len(engine.requests[i].output) for i in ids) - profile_tokens
@@ -133,11 +141,15 @@ def run_method(label, name, options, cfg, params, args, prompts):
     return dict(
         method=label, num_pages=num_pages, page_bytes=method.page_bytes,
         wall_s=wall, compile_s=engine.compile_seconds,
+        # True when the wall limit (compilation included) ended the run before
+        # --time-limit seconds were served: rates are then over a shorter window
+        # than other runs', and this workload's rate changes with the window.
+        window_cut=cut,
         generated_tokens=gen_tokens, tokens_per_s=gen_tokens / wall,
         decode_tokens_per_s=engine.decode_tokens / max(engine.decode_seconds, 1e-9),
         finished=len(done), requests_per_s=len(done) / wall,
-        mean_batch=sum(b for _, b in batch_trace) / max(1, len(batch_trace)),
-        max_batch=max((b for _, b in batch_trace), default=0),
+        mean_batch=sum(b for _, b, _ in batch_trace) / max(1, len(batch_trace)),
+        max_batch=max((b for _, b, _ in batch_trace), default=0),
         preemptions=sum(engine.requests[i].preemptions for i in ids),
         # Steps that read every result in flight before preempting (the exact free
         # count), and the caches swapped out / in (--preemption swap).
@@ -208,8 +220,8 @@ def plots(results, out):
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in results:
-        t = [x for x, _ in r["batch_trace"]]
-        b = [y for _, y in r["batch_trace"]]
+        t = [row[0] for row in r["batch_trace"]]
+        b = [row[1] for row in r["batch_trace"]]
         ax.plot(t, b, label=f"{r['method']} ({r['tokens_per_s']:.0f} tok/s)")
     ax.set_xlabel("seconds (compilation excluded)")
     ax.set_ylabel("running requests")
@@ -320,6 +332,20 @@ def main() -> int:
                   fh, indent=1)
     plots(results, args.out)
     base = results[0]["tokens_per_s"]
+    for r in results:
+        if r["window_cut"]:
+            print(f"WARNING: {r['method']} served {r['wall_s']:.1f} s, not the "
+                  f"{args.time_limit:.0f} s of --time-limit: the wall limit ended it. "
+                  f"Compare runs over the window they share "
+                  f"(scripts/compare_throughput.py).", flush=True)
+    if len(results) > 1:
+        from scripts.compare_throughput import window_rate
+
+        window = min(r["wall_s"] for r in results)
+        shared = [window_rate(r, window)[0] for r in results]
+        print(f"\nover the {window:.1f} s every run served: " + ", ".join(
+            f"{r['method']} {x:.0f} tok/s ({x / shared[0]:.2f}x)"
+            for r, x in zip(results, shared)))
     print(f"\n{'method':28s} {'tok/s':>8s} {'vs first':>8s} {'req/s':>6s} {'mean B':>7s} "
           f"{'max B':>6s} {'step p50':>9s} {'p90':>7s} {'host':>6s} {'TTFT p50':>9s} "
           f"{'preempt':>7s} {'KV/16bit':>8s}")

@@ -41,3 +41,36 @@ def test_ragged_attention_benchmark_checks_its_launches(tmp_path):
         # Against the first launch (even splits): the same attention; on the CPU the
         # caches' launch takes float32 dots, the even-split one float16 codes (~1e-3).
         assert r["diff_vs_first"] < 3e-3 and r["bytes"] > 0
+
+
+def _run_result(method, wall, trace):
+    return dict(method=method, wall_s=wall, tokens_per_s=trace[-1][-1] / wall,
+                batch_trace=trace)
+
+
+def test_throughput_runs_compare_over_the_window_they_share(tmp_path):
+    from scripts.compare_throughput import window_rate
+
+    # A run whose rate falls over time (as the all-at-once workload's does) and a
+    # steady one: over the shared 10 s the first is 2x, over its own 20 s 1.5x.
+    falling = _run_result("falling", 20.0, [(t, 4, 20 * t if t <= 10 else 200 + 10 * (t - 10))
+                                            for t in range(1, 21)])
+    steady = _run_result("steady", 10.0, [(t, 2, 10 * t) for t in range(1, 11)])
+    assert window_rate(falling, 10.0) == (20.0, True)
+    assert falling["tokens_per_s"] == 15.0
+    # (seconds, running) traces: running counts scaled to the run's counted rate
+    older = dict(method="older", wall_s=4.0, tokens_per_s=2.0,
+                 batch_trace=[(1, 4), (2, 4), (3, 2), (4, 2)])
+    assert window_rate(older, 4.0) == (2.0, False)
+    assert window_rate(older, 2.0) == (8 / 2 * 2.0 / 3.0, False)
+    try:
+        window_rate(steady, 15.0)
+        raise AssertionError("a window past the run's end must be refused")
+    except ValueError as e:
+        assert "served 10.0 s" in str(e)
+    for name, runs in (("a.json", dict(results=[steady])), ("b.json", dict(result=falling))):
+        (tmp_path / name).write_text(json.dumps(runs))
+    out = run_script("compare_throughput.py", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert "first 10.0 s" in out
+    falling_row = [ln for ln in out.splitlines() if ln.startswith("falling")][0]
+    assert "2.00x" in falling_row and "15" in falling_row.split()[-1]
