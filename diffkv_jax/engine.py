@@ -62,7 +62,7 @@ from diffkv_jax import memory_budget, row_swap
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams,
                                    decode_width, next_pow2, page_width,
-                                   prompt_page_width)
+                                   prompt_bucket, prompt_page_width)
 from diffkv_jax.steps import GROWTH_STEPS, pool_counts
 
 
@@ -301,8 +301,8 @@ def pages_to_serve(method, tokens: int) -> int:
 
 def prefill_shape(lengths: Sequence[int]) -> tuple[int, int]:
     """The ``(rows, tokens)`` bucket that a prefill of rows of ``lengths`` tokens
-    is padded to (powers of two, at least 16 tokens)."""
-    return next_pow2(len(lengths)), next_pow2(max(lengths), 16)
+    is padded to (a power of two of rows; tokens: :func:`prompt_bucket`)."""
+    return next_pow2(len(lengths)), prompt_bucket(max(lengths))
 
 
 def prefill_cost(lengths: Sequence[int], call_tokens: int) -> int:

@@ -1,8 +1,8 @@
 """Batch generation over a paged cache: prefill, then decode until every row stops.
 
 :class:`Generator` drives the jitted steps of :mod:`diffkv_jax.steps` from the
-host. Shapes are bucketed (prompt batch and length to powers of two, decoded
-page-table width to powers of two), so a warm generator never recompiles
+host. Shapes are bucketed (prompt batch to powers of two, prompt length by
+:func:`prompt_bucket`, decoded page-table width to powers of two), so a warm generator never recompiles
 while the buckets it has seen suffice. The only host transfer per decode step
 is the sampled token ids (needed for stop conditions and streaming).
 """
@@ -125,6 +125,27 @@ def decode_buckets(method) -> list[int]:
 
 def next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << (max(int(n), 1) - 1).bit_length())
+
+
+#: Prompts longer than this are padded to one of :data:`PROMPT_BUCKETS_PER_OCTAVE`
+#: evenly spaced lengths per octave instead of the next power of two.
+FINE_PROMPT_BUCKETS_FROM = 512
+PROMPT_BUCKETS_PER_OCTAVE = 4
+
+
+def prompt_bucket(n: int, minimum: int = 16) -> int:
+    """Tokens a prefill of an ``n``-token prompt is padded to: the next power of two
+    (at least ``minimum``) up to :data:`FINE_PROMPT_BUCKETS_FROM`, then the next of
+    :data:`PROMPT_BUCKETS_PER_OCTAVE` evenly spaced lengths per octave (1280, 1536,
+    1792, 2048, 2560, ...). A prefill costs about its padded tokens, and a long one
+    (a preempted request's whole context, recomputed) padded to a power of two
+    wastes 39% of its work on average against 9% here; each bucket compiles once.
+    """
+    p = next_pow2(n, minimum)
+    if p <= FINE_PROMPT_BUCKETS_FROM:
+        return p
+    step = p // (2 * PROMPT_BUCKETS_PER_OCTAVE)
+    return -(-int(n) // step) * step
 
 
 class Generator:
@@ -258,7 +279,7 @@ class Generator:
 
         # ---- prefill (slots 0..n-1) -------------------------------------------------
         B = next_pow2(n)
-        T = next_pow2(max(len(p) for p in prompts), 16)
+        T = prompt_bucket(max(len(p) for p in prompts))
         toks = np.zeros((B, T), np.int32)
         lens = np.zeros((B,), np.int32)
         slots = np.full((B,), S, np.int32)  # padding rows -> scratch slot

@@ -49,7 +49,7 @@ import numpy as np
 
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams,
-                                   decode_width, next_pow2)
+                                   decode_width, prompt_bucket)
 from diffkv_jax.sampling import SamplingArrays, sample
 from diffkv_jax.steps import CompiledSteps
 
@@ -119,7 +119,7 @@ def prefill(engine_or_steps, params, state, tokens: Sequence[int], *, slot: int,
             f"{len(tokens)} tokens; a slot holds 1 to {method.max_context - 1} before decoding")
     if not 0 <= slot < method.max_seqs:
         raise GenerationInputError(f"slot {slot} is outside 0..{method.max_seqs - 1}")
-    T = next_pow2(len(tokens), 16)
+    T = prompt_bucket(len(tokens))
     padded = np.zeros((1, T), np.int32)
     padded[0, :len(tokens)] = tokens
     batch = PrefillBatch(jnp.asarray(padded), jnp.asarray([len(tokens)], jnp.int32),

@@ -90,6 +90,42 @@ def test_prompts_share_a_prefill_only_where_it_pads_less(tiny_model, call_tokens
     assert got == alone(cfg, params, prompts, sampling)
 
 
+def test_prompt_buckets_are_powers_of_two_then_four_per_octave():
+    from diffkv_jax.engine import prefill_shape
+    from diffkv_jax.generation import prompt_bucket
+
+    assert [prompt_bucket(n) for n in (1, 16, 17, 300, 512)] == [16, 16, 32, 512, 512]
+    assert [prompt_bucket(n) for n in (513, 640, 641, 1024, 1025, 2100, 4096, 4191)] == \
+        [640, 640, 768, 1024, 1280, 2560, 4096, 5120]
+    assert all(n <= prompt_bucket(n) < 2 * n + 16 for n in range(1, 513))
+    assert all(n <= prompt_bucket(n) < 1.25 * n for n in range(513, 9000))
+    assert prefill_shape([600, 30, 5]) == (4, 640)
+
+
+@pytest.mark.parametrize("kind", ["full", "diffkv"])
+def test_a_long_prompt_pads_to_its_fine_bucket_and_decodes_as_at_a_power_of_two(
+        tiny_model, kind, monkeypatch):
+    # 600 tokens pad to 640, not 1024; the padding is masked, so the tokens are
+    # those of the power-of-two bucket.
+    import diffkv_jax.generation as generation
+
+    cfg, params = tiny_model
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, size=600)]
+    sampling = [SamplingParams(max_new_tokens=6)]
+
+    def serve():
+        eng = make_engine(cfg, params, kind, max_context=640 + 16)
+        out = eng.generate([prompt], sampling)[0].output
+        return out, eng.prefill_padded_tokens
+
+    fine, fine_padded = serve()
+    monkeypatch.setattr(generation, "FINE_PROMPT_BUCKETS_FROM", 1 << 20)
+    pow2, pow2_padded = serve()
+    assert (fine_padded, pow2_padded) == (640, 1024)
+    assert fine == pow2
+
+
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prompts", "chunks-of-8"])
 def test_stress_preemption_cancellation_and_leaks(tiny_model, chunk):
     """300 requests arriving over time on a pool far too small to hold them all
