@@ -6,6 +6,7 @@
 #   bash scripts/h200_figures.sh breakdown    # per-step split, batch 64 x 4,096 tokens
 #   bash scripts/h200_figures.sh diffkv       # serving throughput, DiffKV
 #   bash scripts/h200_figures.sh full         # serving throughput, uncompressed bf16
+#   bash scripts/h200_figures.sh compare      # the two over the window both served
 #   bash scripts/h200_figures.sh attention    # the decode-attention grid
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
@@ -15,7 +16,8 @@
 # Results go to $OUT (default results/h200). Compiled executables are cached in
 # $JAX_COMPILATION_CACHE_DIR (default /tmp/diffkv-jax-xla), so a stage run again
 # on the same machine skips most compilation. The two throughput stages use the
-# same seed, requests and memory budget, so their figures compare.
+# same seed, requests and memory budget (KV_BUDGET_GB, default 6), so their
+# figures compare over the window both served (the compare stage).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-results/h200}
@@ -23,7 +25,7 @@ mkdir -p "$OUT"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/diffkv-jax-xla}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-2}
 # TIME_LIMIT: seconds of serving measured; WALL_LIMIT: the same, compilation included.
-THROUGHPUT="--model llama3-8b --kv-budget-gb 6 --num-requests 256 --output-len 4096
+THROUGHPUT="--model llama3-8b --kv-budget-gb ${KV_BUDGET_GB:-6} --num-requests 256 --output-len 4096
             --max-batch 128 --time-limit ${TIME_LIMIT:-300} --wall-limit ${WALL_LIMIT:-500}
             --profile-steps 5 --profile-at 120"
 
@@ -39,6 +41,9 @@ case "${1:-}" in
     # shellcheck disable=SC2086
     python scripts/bench_throughput.py $THROUGHPUT --methods "$1${METHOD_OPTS:+:$METHOD_OPTS}" \
       --out "$OUT/throughput_$1" ;;
+  compare)
+    python scripts/compare_throughput.py "$OUT/throughput_full/throughput.json" \
+      "$OUT/throughput_diffkv/throughput.json" ;;
   attention)
     python scripts/bench_attention.py --json "$OUT/bench_attention.json" ;;
   ragged)
@@ -51,6 +56,6 @@ case "${1:-}" in
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|attention|ragged|parts|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|ragged|parts|scoring|allocation" >&2
     exit 2 ;;
 esac
