@@ -342,10 +342,13 @@ def main() -> int:
         from scripts.compare_throughput import window_rate
 
         window = min(r["wall_s"] for r in results)
-        shared = [window_rate(r, window)[0] for r in results]
-        print(f"\nover the {window:.1f} s every run served: " + ", ".join(
-            f"{r['method']} {x:.0f} tok/s ({x / shared[0]:.2f}x)"
-            for r, x in zip(results, shared)))
+        try:
+            shared = [window_rate(r, window)[0] for r in results]
+            print(f"\nover the {window:.1f} s every run served: " + ", ".join(
+                f"{r['method']} {x:.0f} tok/s ({x / max(shared[0], 1e-9):.2f}x)"
+                for r, x in zip(results, shared)))
+        except ValueError as e:  # a run that served no step
+            print(f"\nno window every run served: {e}")
     print(f"\n{'method':28s} {'tok/s':>8s} {'vs first':>8s} {'req/s':>6s} {'mean B':>7s} "
           f"{'max B':>6s} {'step p50':>9s} {'p90':>7s} {'host':>6s} {'TTFT p50':>9s} "
           f"{'preempt':>7s} {'KV/16bit':>8s}")
