@@ -57,12 +57,14 @@ def test_throughput_runs_compare_over_the_window_they_share(tmp_path):
                                             for t in range(1, 21)])
     steady = _run_result("steady", 10.0, [(t, 2, 10 * t) for t in range(1, 11)])
     assert window_rate(falling, 10.0) == (20.0, True)
+    assert window_rate(falling, 20.0, start=10.0) == (10.0, True)  # after the ramp
     assert falling["tokens_per_s"] == 15.0
     # (seconds, running) traces: running counts scaled to the run's counted rate
     older = dict(method="older", wall_s=4.0, tokens_per_s=2.0,
                  batch_trace=[(1, 4), (2, 4), (3, 2), (4, 2)])
     assert window_rate(older, 4.0) == (2.0, False)
     assert window_rate(older, 2.0) == (8 / 2 * 2.0 / 3.0, False)
+    assert window_rate(older, 4.0, start=2.0) == (4 / 2 * 2.0 / 3.0, False)
     try:
         window_rate(steady, 15.0)
         raise AssertionError("a window past the run's end must be refused")
