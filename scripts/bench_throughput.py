@@ -339,14 +339,10 @@ def main() -> int:
                   f"Compare runs over the window they share "
                   f"(scripts/compare_throughput.py).", flush=True)
     if len(results) > 1:
-        from scripts.compare_throughput import window_rate
+        from scripts.compare_throughput import compare_lines
 
-        window = min(r["wall_s"] for r in results)
         try:
-            shared = [window_rate(r, window)[0] for r in results]
-            print(f"\nover the {window:.1f} s every run served: " + ", ".join(
-                f"{r['method']} {x:.0f} tok/s ({x / max(shared[0], 1e-9):.2f}x)"
-                for r, x in zip(results, shared)))
+            print("\n" + "\n".join(compare_lines(results)))
         except ValueError as e:  # a run that served no step
             print(f"\nno window every run served: {e}")
     print(f"\n{'method':28s} {'tok/s':>8s} {'vs first':>8s} {'req/s':>6s} {'mean B':>7s} "

@@ -57,6 +57,24 @@ def load(paths):
     return runs
 
 
+def compare_lines(runs, window: float | None = None, start: float = 0.0) -> list[str]:
+    """The comparison table of ``runs`` (``bench_throughput`` results; the first is
+    the baseline) over ``start`` .. ``window`` seconds served (default: the shortest
+    run's whole window). Raises ValueError if a run served less than the window."""
+    window = window or min(r["wall_s"] for r in runs)
+    rates = [window_rate(r, window, start) for r in runs]
+    base = max(rates[0][0], 1e-9)
+    lines = [f"over the first {window:.1f} s served of each run:" if not start else
+             f"over {start:.1f} - {window:.1f} s served of each run:",
+             f"{'method':28s} {'served':>7s} {'tok/s':>8s} {'vs first':>8s} "
+             f"{'tok/s whole run':>16s}"]
+    for r, (rate, exact) in zip(runs, rates):
+        mark = " " if exact else "~"
+        lines.append(f"{r['method']:28s} {r['wall_s']:6.1f}s {mark}{rate:7.0f} "
+                     f"{rate / base:7.2f}x {r['tokens_per_s']:16.0f}")
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+", help="bench_throughput.py JSON files")
@@ -65,18 +83,7 @@ def main() -> int:
     p.add_argument("--start", type=float, default=0.0,
                    help="seconds served the window starts at (default 0)")
     args = p.parse_args()
-    runs = load(args.files)
-    window = args.window or min(r["wall_s"] for r in runs)
-    rates = [window_rate(r, window, args.start) for r in runs]
-    base = rates[0][0]
-    print(f"over the first {window:.1f} s served of each run:" if not args.start else
-          f"over {args.start:.1f} - {window:.1f} s served of each run:")
-    print(f"{'method':28s} {'served':>7s} {'tok/s':>8s} {'vs first':>8s} "
-          f"{'tok/s whole run':>16s}")
-    for r, (rate, exact) in zip(runs, rates):
-        mark = " " if exact else "~"
-        print(f"{r['method']:28s} {r['wall_s']:6.1f}s {mark}{rate:7.0f} {rate / base:7.2f}x "
-              f"{r['tokens_per_s']:16.0f}")
+    print("\n".join(compare_lines(load(args.files), args.window, args.start)))
     return 0
 
 
