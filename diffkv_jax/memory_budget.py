@@ -10,6 +10,7 @@ count is exact for every method, whatever side arrays it keeps.
 from __future__ import annotations
 
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -46,17 +47,39 @@ def pages_for_memory(method, memory_bytes: int) -> int:
 
     Raises ValueError when the budget does not cover the state's fixed part and
     one page. Methods whose kernels cannot address some pool sizes (DiffKV's
-    32-bit offsets, 2 - 4 GiB of codes) get the largest count they can use.
+    32-bit offsets, 2 - 4 GiB of codes) get the largest count they can use, with a
+    warning that says how much of the budget stays unused and which budgets avoid it.
     """
     memory_bytes = int(memory_bytes)
     one, two = state_bytes(method, 1), state_bytes(method, 2)
     per_page, fixed = two - one, 2 * one - two
     pages = (memory_bytes - fixed) // per_page if per_page > 0 else 0
     fit = getattr(method, "addressable_pages", None)
-    if pages >= 1 and fit is not None:
-        pages = fit(pages)
+    if pages >= 1 and fit is not None and fit(pages) != pages:
+        usable = fit(pages)
+        above = _next_addressable(fit, pages)
+        warnings.warn(
+            f"{type(method).__name__}: a budget of {memory_bytes / 2**30:.2f} GiB buys {pages} "
+            f"pages, a pool its GPU kernel cannot address; it gets {usable} "
+            f"({1 - usable / pages:.0%} of the pages unused). Budgets up to "
+            f"{(fixed + usable * per_page) / 2**30:.2f} GiB or from "
+            f"{(fixed + above * per_page) / 2**30:.2f} GiB use all their memory.",
+            stacklevel=2)
+        pages = usable
     if pages < 1:
         raise ValueError(
             f"a cache budget of {memory_bytes} bytes holds no page: {type(method).__name__} "
             f"needs {fixed} bytes of tables for {method.max_seqs} slots plus {per_page} per page")
     return int(pages)
+
+
+def _next_addressable(fit, pages: int) -> int:
+    """The smallest page count above ``pages`` that ``fit`` keeps whole."""
+    hi = pages
+    while fit(hi) != hi:
+        hi *= 2
+    lo = pages  # fit(lo) != lo <= ... fit(hi) == hi: the first whole count is in (lo, hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fit(mid) == mid else (mid, hi)
+    return hi

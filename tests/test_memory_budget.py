@@ -40,8 +40,18 @@ def test_diffkv_kernel_pools_skip_the_unaddressable_sizes(tiny_model):
     method = make_method("diffkv", cfg, max_seqs=2, max_context=64, page_size=16,
                          attention_impl="pallas")
     data = method.layout.data_bytes
-    pages = mb.pages_for_memory(method, 3 * 2**30 // data * method.page_bytes)
+    with pytest.warns(UserWarning, match=r"cannot address.*unused") as caught:
+        pages = mb.pages_for_memory(method, 3 * 2**30 // data * method.page_bytes)
     assert (pages + 1) * data <= 2**31 < (pages + 2) * data
+    # The warning names the budgets that use all their memory: the one of this pool,
+    # and the smallest whose pool is past 4 GiB of codes.
+    message = str(caught[0].message)
+    above = 2**32 // data  # (above + 1) pages of codes are exactly 2^32 bytes or more
+    above += (above + 1) * data <= 2**32
+    assert f"from {mb.state_bytes(method, above) / 2**30:.2f} GiB" in message
+    assert f"up to {mb.state_bytes(method, pages) / 2**30:.2f} GiB" in message
+    assert method.addressable_pages(above) == above
+    assert method.addressable_pages(above - 1) != above - 1
     assert method.addressable_pages(pages) == pages
     with pytest.raises(ValueError, match="32-bit offsets"):
         method.init_state(3 * 2**30 // data)
