@@ -16,7 +16,9 @@ token-writes launch, scores updated in place; ``--launches`` of them chained
 in one call, as a decode step runs one per layer, so the time is the
 device's, not the call's dispatch) and each ``--variants`` entry: a
 comma-separated list of ``splits``, ``block``, ``warps``, ``stages``
-(entries separated by ``;``). Every variant is checked against
+(entries separated by ``;``); ``merge=0`` times the launch without the
+attention merge (given the merged statistics the caches' launch computed: what
+the merge costs inside it). Every variant is checked against
 the caches' settings on the same inputs first (scores, the row outputs, the
 victims).
 Llama3-8B head shapes.
@@ -33,7 +35,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SETTINGS = {"splits": "splits", "block": "block", "warps": "num_warps", "stages": "num_stages"}
+SETTINGS = {"splits": "splits", "block": "block", "warps": "num_warps", "stages": "num_stages",
+            "merge": "merge"}
 
 
 def parse_variant(spec: str) -> dict:
@@ -129,9 +132,21 @@ def main() -> int:
     for A in map(int, args.active.split(",")):
         fixed, scores0, nbytes = build(A, A)
         logits, pages, counts, cur, plen, positions, partials = fixed
-        results, first = {}, None
+        results, first, stats = {}, None, None
         for name, kw in variants:
-            def launch(sc, kw=kw):
+            kw = dict(kw)
+            with_merge = kw.pop("merge", 1) != 0
+            if not with_merge and stats is None:
+                print(f"active={A} {name}: FAILED merge=0 needs the caches' launch first",
+                      flush=True)
+                continue
+
+            def launch(sc, kw=kw, with_merge=with_merge, stats=stats):
+                if not with_merge:  # the merged statistics given, as the caches' launch made them
+                    new, (vi, vf) = score_victims(
+                        logits, *stats, pages, counts, cur, plen, sc, positions, caps=caps,
+                        group=G, rule=rule, merge=False, **kw)
+                    return new, vi, vf, None
                 new, (vi, vf), merged = score_victims(
                     logits, None, None, pages, counts, cur, plen, sc, positions, caps=caps,
                     group=G, rule=rule, merge=False, partials=partials, **kw)
@@ -145,7 +160,8 @@ def main() -> int:
                 def body(_, carry):
                     sc, acc = carry
                     new, vi, vf, merged = launch(sc)
-                    return new, acc + merged[0][0, 0, 0, 0] + vf[0, 0, 0, 0]
+                    out = 0.0 if merged is None else merged[0][0, 0, 0, 0]
+                    return new, acc + out + vf[0, 0, 0, 0]
 
                 return jax.lax.fori_loop(0, args.launches, body, (sc, jnp.float32(0)))
 
@@ -169,15 +185,17 @@ def main() -> int:
                       f"{str(e).splitlines()[0][:200]}", flush=True)
                 continue
             victims = merge_victims(got[1], got[2], 2)
-            out = np.asarray(got[3][0])[np.asarray(cur) > 0]
+            out = None if got[3] is None else np.asarray(got[3][0])[np.asarray(cur) > 0]
             if first is None:
                 first = (np.asarray(got[0]), victims, out)
+                stats = (got[3][1], got[3][2])  # M, L of the caches' launch
                 agree, diff = 1.0, 0.0
             else:
                 agree = float(np.mean([np.mean(np.asarray(a[0]) == np.asarray(b[0]))
                                        for a, b in zip(victims, first[1])]))
-                diff = float(max(np.abs(np.asarray(got[0]) - first[0]).max(),
-                                 np.abs(out - first[2]).max() / np.abs(first[2]).max()))
+                diff = float(np.abs(np.asarray(got[0]) - first[0]).max())
+                if out is not None:
+                    diff = max(diff, float(np.abs(out - first[2]).max() / np.abs(first[2]).max()))
             results[name] = ms
             rows.append(dict(active=A, variant=name, ms=ms, bytes=nbytes,
                              tbps=nbytes / (ms * 1e-3) / 1e12, victims_agree=agree,
