@@ -52,6 +52,10 @@ def main() -> int:
                    help="work-launch settings to try besides the caches' (see above)")
     p.add_argument("--no-logits", action="store_true",
                    help="DiffKV without the policy's logits (to see what they cost)")
+    p.add_argument("--chain", type=int, default=0,
+                   help="time this many launches chained in one call, as a decode step runs "
+                        "one per layer (0: separate calls, whose dispatch can exceed the "
+                        "launch)")
     p.add_argument("--json", default="results/bench_ragged_attention.json")
     args = p.parse_args()
 
@@ -61,7 +65,12 @@ def main() -> int:
 
     from diffkv_jax.diffkv_kernel_attention import _launch, work_items
     from pallas_kernels import paged_decode as pdk
-    from scripts.decode_cases import time_ms
+    from scripts.decode_cases import time_chained_ms, time_ms
+
+    def timed(fn, q, *rest):
+        if args.chain:
+            return time_chained_ms(fn, q, *rest, launches=args.chain)
+        return time_ms(fn, q, *rest)
 
     nq, H, D = 32, 8, 128
     G, S = nq // H, args.slots
@@ -135,7 +144,7 @@ def main() -> int:
                     o, m, l, lg = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg)
                     return pdk.merge_partials([(o, m, l)])[0], lg
 
-                res[f"even-{K}"] = (time_ms(even, qg, tiers), even(qg, tiers)[0])
+                res[f"even-{K}"] = (timed(even, qg, tiers), even(qg, tiers)[0])
             # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
             lane_dim = D if method == "diffkv" else 0
             cfg = _launch(emit, lane_dim)
@@ -156,7 +165,7 @@ def main() -> int:
                     return pdk.merge_work(o, m, l, wl, S, H)[0], lg
 
                 try:
-                    res[name] = (time_ms(work, qr, tiers, act), work(qr, tiers, act)[0])
+                    res[name] = (timed(work, qr, tiers, act), work(qr, tiers, act)[0])
                 except Exception as e:  # report and keep going
                     print(f"{method} active={A} {name}: FAILED {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]}", flush=True)

@@ -102,8 +102,32 @@ def time_ms(fn, *args, reps: int = 20, rounds: int = 5) -> float:
     return ts[len(ts) // 2] * 1e3
 
 
-def copy_bandwidth() -> float:
+def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5) -> float:
+    """Device time of one ``fn(q, *rest)`` (ms), from ``launches`` of them chained in
+    one jitted call, as a decode step runs one attention launch per layer: no host
+    dispatch between them. ``fn`` returns an array, or a tuple that starts with one;
+    each launch takes ``q + 0 * sum(the previous output)`` (with the zero an
+    argument: a reduction and an elementwise op per launch, the same for every
+    variant), so no launch can be hoisted out of the loop and no part of an output
+    left uncomputed."""
+    from jax import lax
+
+    def total(q, *rest):
+        out = fn(q, *rest)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        return jnp.sum(out.astype(jnp.float32))
+
+    @jax.jit
+    def chain(q, zero, *rest):
+        body = lambda _, q: q + (zero * total(q, *rest)).astype(q.dtype)  # noqa: E731
+        return lax.fori_loop(0, launches, body, q)
+
+    zero = jnp.float32(0)
+    return time_ms(chain, q, zero, *rest, reps=reps, rounds=rounds) / launches
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
     """Device-to-device copy bandwidth (TB/s, bytes read + written) through XLA."""
-    x = jnp.ones((1 << 30,), jnp.float32)  # 4 GiB
+    x = jnp.ones((int(gib * 2**28),), jnp.float32)
     ms = time_ms(jax.jit(lambda a: a + 1), x, reps=5, rounds=3)
     return 2 * x.nbytes / (ms * 1e-3) / 1e12

@@ -32,7 +32,7 @@ def test_ragged_attention_benchmark_checks_its_launches(tmp_path):
     out = tmp_path / "ragged.json"
     run_script("bench_ragged_attention.py", "--slots", "4", "--active", "2", "--min-len", "40",
                "--max-len", "200", "--methods", "diffkv,bf16", "--splits", "1",
-               "--variants", "min_pages=4", "--json", str(out))
+               "--variants", "min_pages=4", "--chain", "2", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     launches = {(r["method"], r["launch"]) for r in rows}
     assert launches == {(m, n) for m in ("diffkv", "bf16")
@@ -41,6 +41,37 @@ def test_ragged_attention_benchmark_checks_its_launches(tmp_path):
         # Against the first launch (even splits): the same attention; on the CPU the
         # caches' launch takes float32 dots, the even-split one float16 codes (~1e-3).
         assert r["diff_vs_first"] < 3e-3 and r["bytes"] > 0
+
+
+def test_attention_benchmark_checks_and_chains_its_launches(tmp_path):
+    out = tmp_path / "attention.json"
+    # (JAX's own kernel runs on the GPU only.)
+    run_script("bench_attention.py", "--models", "smollm2-135m", "--batches", "2",
+               "--contexts", "256", "--variants", "ours-bf16,diffkv-high,diffkv-50/50",
+               "--chain", "3", "--copy-gib", "0.05", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert res["args"]["chain"] == 3
+    assert [r["variant"] for r in res["rows"]] == ["ours-bf16", "diffkv-high", "diffkv-50/50"]
+    for r in res["rows"]:  # each checked against the plain-jnp reference first
+        assert r["rel_err"] < 5e-3 and r["ms"] > 0 and r["bytes"] > 0
+
+
+def test_chained_timing_runs_every_launch():
+    import jax
+    import jax.numpy as jnp
+
+    from scripts.decode_cases import time_chained_ms
+
+    runs = []
+
+    def fn(q, w):
+        jax.debug.callback(lambda: runs.append(1))  # once per executed launch
+        return jnp.tanh(q @ w), None
+
+    q, w = jnp.ones((8, 16)), jnp.full((16, 16), 0.01)
+    assert time_chained_ms(fn, q, w, launches=4, reps=1, rounds=1) > 0
+    jax.effects_barrier()
+    assert len(runs) == 4 * 3  # two warm-up calls and one timed call of 4 launches
 
 
 def _run_result(method, wall, trace):
