@@ -140,6 +140,11 @@ class DiffKVCache(SlotAccounting):
     # "auto": "pallas" where the kernels run compiled on a GPU (4.3% of a 64 x 4K
     # step and 191 launches fewer on the H200), "xla" otherwise.
     merge_impl: str = "auto"
+    # The decode kernel's dot tiles (pallas_kernels/paged_decode.py): "queries"
+    # (the query rows are the tile's rows, padded to 16 on the GPU) or "tokens" (a
+    # page's tokens are the rows and the queries the columns, padded to 8:
+    # LaunchConfig.transposed, fewer registers and instructions per token).
+    kernel_tiles: str = "queries"
 
     name = "diffkv"
 
@@ -161,6 +166,9 @@ class DiffKVCache(SlotAccounting):
         if self.merge_impl == "pallas" and self.attention_impl != "pallas":
             raise ValueError("merge_impl='pallas' needs attention_impl='pallas': the policy "
                              "kernel merges the attention kernel's partials")
+        if self.kernel_tiles not in ("queries", "tokens"):
+            raise ValueError(f"kernel_tiles must be 'queries' or 'tokens', "
+                             f"got {self.kernel_tiles!r}")
         if self.decide_impl not in ("auto", "xla", "pallas"):
             raise ValueError(f"decide_impl must be 'auto', 'xla' or 'pallas', "
                              f"got {self.decide_impl!r}")

@@ -53,11 +53,13 @@ def page_lanes(head_dim: int) -> int:
     return PAGE_LANES.get(head_dim, 1) if backend.on_gpu() else 1
 
 
-def _launch(emit_logits: bool, head_dim: int = 0) -> pdk.LaunchConfig:
-    """The caches' launch settings; ``head_dim`` 0: without page lanes (16-bit pages)."""
+def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False) -> pdk.LaunchConfig:
+    """The caches' launch settings; ``head_dim`` 0: without page lanes (16-bit pages);
+    ``transposed``: the quantized pages' tokens as the dot tiles' rows
+    (``LaunchConfig.transposed``; query rows padded by :func:`_tile_rows`)."""
     gpu = backend.on_gpu()
     return pdk.LaunchConfig(dot_dtype="float16" if gpu else "float32", emit_logits=emit_logits,
-                            page_lanes=page_lanes(head_dim))
+                            page_lanes=page_lanes(head_dim), transposed=transposed)
 
 
 def _grouped_query(q, H: int):
@@ -67,9 +69,12 @@ def _grouped_query(q, H: int):
     return q.reshape(S, H, nq // H, D)
 
 
-def _tile_rows(G: int) -> int | None:
-    """Rows of the decode kernel's tiles for a group of ``G`` (the GPU dot needs 16)."""
-    return pdk.padded_group(G, 16) if backend.on_gpu() else None
+def _tile_rows(G: int, transposed: bool = False) -> int | None:
+    """Query rows of the decode kernel's tiles for a group of ``G``: the GPU dot needs
+    16 rows, or 8 columns where the queries are the columns (``transposed``)."""
+    if not backend.on_gpu():
+        return pdk.padded_group(G, 8) if transposed else None
+    return pdk.padded_group(G, 8 if transposed and G <= 8 else 16)
 
 
 def plan_full_work(lengths, active, page_size: int, H: int) -> pdk.WorkList:
@@ -175,8 +180,10 @@ def _tier_partials(method, state, layer, q, n_hi: int, n_lo: int, work: pdk.Work
         pages.append(rows[:, :, cols])
         tiers.append(pdk.TierInput(fmt, keys, values, (state.k_meta, state.v_meta), pages[-1],
                                    state.n_tok[:S, layer, :, tier]))
-    parts = pdk.paged_decode_partials(qg, tiers, group=G, cfg=_launch(True, D), work=work,
-                                      padded_stats=padded_stats, padded_rows=_tile_rows(G))
+    tokens = method.kernel_tiles == "tokens"
+    parts = pdk.paged_decode_partials(qg, tiers, group=G, cfg=_launch(True, D, tokens),
+                                      work=work, padded_stats=padded_stats,
+                                      padded_rows=_tile_rows(G, tokens))
     return qg, parts, pages
 
 

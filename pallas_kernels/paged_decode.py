@@ -160,6 +160,12 @@ class LaunchConfig:
     # Tiers of longer pages (K4V2's 64 slots) are walked one page per step by the
     # first lane's rows: measured on the H200, their loop slows down with lanes.
     lane_slots: int = 32
+    # Quantized tiers: the dots taken with the page's tokens as the tile's rows and
+    # the query rows as its columns (``k . q^T``, ``v^T . p^T``). The GPU's dot tile
+    # needs 16 rows but only 8 columns, so a group of up to 8 queries (or two lanes
+    # of 4) is padded to 8 instead of 16: half the tensor-core work, accumulator and
+    # softmax registers per token. The caller passes ``padded_rows`` (or q) of 8.
+    transposed: bool = False
 
     def __post_init__(self):
         if self.dot_dtype not in ("float16", "float32"):
@@ -168,6 +174,8 @@ class LaunchConfig:
             raise ValueError(f"page_lanes must be >= 1, got {self.page_lanes}")
         if self.page_lanes > 1 and self.sub_slots:
             raise ValueError("page_lanes and sub_slots cannot be combined")
+        if self.transposed and self.sub_slots:
+            raise ValueError("transposed and sub_slots cannot be combined")
 
     def lanes(self, padded_rows: int, group: int) -> int:
         """Page lanes of a launch whose queries have ``padded_rows`` rows of which
@@ -226,6 +234,18 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
     n_lanes = cfg.lanes(Gp, group) if all(f.quantized for f in tiers) else 1
     Gl = Gp // n_lanes
     lane_of_row = row_iota // Gl
+    # Tile orientation: [Gp, slots] (query rows first), or with cfg.transposed (all
+    # tiers quantized) [slots, Gp], the accumulators then [w, Gp].
+    tr = cfg.transposed and all(f.quantized for f in tiers)
+    slot_axis = 0 if tr else 1
+
+    def per_row(x):  # [Gp] against the tile
+        return x[None, :] if tr else x[:, None]
+
+    def per_slot(x):  # [slots] against the tile ([.., ..] tiles as they are)
+        if x.ndim == 2:
+            return x
+        return x[:, None] if tr else x[None, :]
 
     # Logits in log2 units so the softmax is a bare exp2.
     qscale = LOG2E / math.sqrt(D)
@@ -251,7 +271,18 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             plgpu.store(ref.at[(*lead, rows, cols)], x, mask=mask)
 
     def store_logits(s_ref, col, s):
-        store_rows(s_ref, (s_i, h_i), pl.ds(col, s.shape[1]), s)
+        if not tr:
+            store_rows(s_ref, (s_i, h_i), pl.ds(col, s.shape[1]), s)
+        elif interpret or s_ref.shape[2] == Gp:
+            store_rows(s_ref, (s_i, h_i), pl.ds(col, s.shape[0]), s.T)
+        else:  # the [slots, Gp] tile stored as it is held, real rows only
+            from jax.experimental.pallas import triton as plgpu
+
+            stored = s_ref.shape[2]
+            rows = jnp.broadcast_to(jnp.minimum(row_iota, stored - 1)[None, :], s.shape)
+            cols = col + lax.broadcasted_iota(jnp.int32, s.shape, 0)
+            plgpu.store(s_ref.at[s_i, h_i, rows, cols], s,
+                        mask=jnp.broadcast_to((row_iota < stored)[None, :], s.shape))
 
     def store_lane_logits(s_ref, s, tok, row_live, lanes):
         """Each lane's rows to its page's columns (``tok`` the tier token of every
@@ -260,15 +291,16 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         stored, cols = s_ref.shape[2], s_ref.shape[3]
         g = row_iota % Gl
         if interpret:  # sequential programs: a read-modify-write per lane
-            width = s.shape[1]
+            rows_first = s.T if tr else s
+            width = rows_first.shape[1]
             for r, (live, col) in enumerate(lanes):
                 win = (s_i, h_i, pl.ds(0, Gl), pl.ds(col, width))
-                s_ref[win] = jnp.where(live, s[r * Gl:(r + 1) * Gl], s_ref[win])
+                s_ref[win] = jnp.where(live, rows_first[r * Gl:(r + 1) * Gl], s_ref[win])
             return
         from jax.experimental.pallas import triton as plgpu
 
-        rows = jnp.broadcast_to(jnp.minimum(g, stored - 1)[:, None], s.shape)
-        mask = (row_live & (g < stored))[:, None] & (tok < cols)
+        rows = jnp.broadcast_to(per_row(jnp.minimum(g, stored - 1)), s.shape)
+        mask = per_row(row_live & (g < stored)) & (tok < cols)
         plgpu.store(s_ref.at[s_i, h_i, rows, jnp.minimum(tok, cols - 1)], s, mask=mask)
 
     def rescale(s, carry):
@@ -276,12 +308,12 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         RESCALE_SLACK (log2 units) in some row: most pages then skip rescaling the
         accumulators, and the probabilities stay below 2^RESCALE_SLACK."""
         accs, m_prev, l_prev, r_prev, z_prev = carry
-        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=slot_axis))
 
         def grow(_):
             corr = jnp.exp2(m_prev - m_next)
-            return ([a * corr[:, None] for a in accs], m_next, l_prev * corr,
-                    r_prev * corr[:, None], z_prev * corr)
+            return ([a * per_row(corr) for a in accs], m_next, l_prev * corr,
+                    r_prev * per_row(corr), z_prev * corr)
 
         if not cfg.lazy_rescale:
             return grow(None)
@@ -318,8 +350,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                        else exact_slices(kb, fmt.k_bits, jnp.float32))
             acc = None
             for qs, kp in zip(q_slices, k_parts):
-                acc = (backend.dot(qs, kp, trans_b=True) if acc is None
-                       else backend.dot_acc(acc, qs, kp, trans_b=True))
+                a, b = (kp, qs) if tr else (qs, kp)  # [slots, Gp] or [Gp, slots]
+                acc = (backend.dot(a, b, trans_b=True) if acc is None
+                       else backend.dot_acc(acc, a, b, trans_b=True))
             return acc
 
         def value_dots(accs, pv, page, at):
@@ -333,11 +366,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                            else exact_slices(vb, fmt.v_bits, jnp.float32))
                 for sl, vp in enumerate(v_parts):
                     i = (sl * vw + rb * w) // w
-                    out[i] = backend.dot_acc(out[i], pv, vp, trans_b=True)
+                    out[i] = (backend.dot_acc(out[i], vp, pv) if tr  # [w, Gp]
+                              else backend.dot_acc(out[i], pv, vp, trans_b=True))
             return out
-
-        def tile(x):  # per-slot metadata [cap] as a row of the [Gp, cap] tile
-            return x if x.ndim == 2 else x[None, :]
 
         def logits(acc, k_words):
             """The step's logits from ``q . codes`` and the keys' metadata words (one
@@ -345,7 +376,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             ks, kz = unpack_meta_f32(k_words)
             if magic:  # q . (c + 1024) = q . c + 1024 sum(q)
                 kz = kz - MAGIC * ks
-            return acc * tile(ks) + q_sum[:, None] * tile(kz)
+            return acc * per_slot(ks) + per_row(q_sum) * per_slot(kz)
 
         def softmax(s, live, store, carry):
             """The step's masked logits (stored for the policy) into the online
@@ -354,18 +385,20 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             if s_ref is not None:
                 store(s)
             accs, m, l, r, z = rescale(s, carry)
-            p = jnp.exp2(s - m[:, None])
-            return p, (accs, m, l + jnp.sum(p, axis=1), r, z)
+            p = jnp.exp2(s - per_row(m))
+            return p, (accs, m, l + jnp.sum(p, axis=slot_axis), r, z)
 
         def value_weights(p, v_words, r, z):
             """``p * scale`` (the value dots' operand) and the offset terms, from the
             values' metadata words."""
             vs, vz = unpack_meta_f32(v_words)
-            pv = (p * tile(vs)).astype(qdt)
+            pv = (p * per_slot(vs)).astype(qdt)
             if magic:  # (p s) . (c + 1024): remove 1024 sum(p s) with the rounded weights,
                 # summed by the tensor cores (a dot with ones) rather than lane by lane
-                r = backend.dot_acc(r, pv, jnp.ones((RW, cap), qdt), trans_b=True)
-            return pv, r, z + jnp.sum(p * tile(vz), axis=1)
+                ones = jnp.ones((RW, cap), qdt)
+                r = (backend.dot_acc(r, ones, pv) if tr
+                     else backend.dot_acc(r, pv, ones, trans_b=True))
+            return pv, r, z + jnp.sum(p * per_slot(vz), axis=slot_axis)
 
         # A page ID read from the table stays inside the pool even where the table
         # names no page (its entry past the pool): a corrupt row reads wrong data,
@@ -382,9 +415,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 s = logits(key_dot(page, at), km_ref[page, pl.ds(at, cap)])
             else:
                 s = backend.dot(q_full, k_ref[page].astype(pdt), trans_b=True)
-            live = valid[None, :]
+            live = per_slot(valid)
             if n_lanes > 1:  # a tier of longer pages: lane 0's rows alone walk them
-                live = live & (lane_of_row == 0)[:, None]
+                live = live & per_row(lane_of_row == 0)
             p, (accs, m, l, r, z) = softmax(
                 s, live, lambda s: store_logits(s_ref, j * cap, s), carry)
             if not fmt.quantized:
@@ -398,8 +431,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             base = first + j * n_lanes
             lane_page = [in_pool(pages_ref[s_i, h_i, jnp.minimum(base + r, last - 1)])
                          for r in range(n_lanes)]
-            lane_col = lane_of_row[:, None]
-            tok = (base + lane_of_row)[:, None] * cap + col_iota[None, :]  # tier token index
+            lane_col = per_row(lane_of_row)
+            tok = per_row(base + lane_of_row) * cap + per_slot(col_iota)  # tier token index
             valid = tok < jnp.minimum(n_tok, last * cap)
             acc = None
             for r in range(n_lanes):  # lane r's rows take the dot with its own page
@@ -409,13 +442,18 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             page_row = lane_page[0]
             for r in range(1, n_lanes):
                 page_row = jnp.where(lane_of_row == r, lane_page[r], page_row)
-            s = logits(acc, km_ref[page_row, pl.ds(0, cap)])
+            def words(ref):  # each row's metadata words, from its lane's page
+                if tr:
+                    return ref[page_row[None, :], col_iota[:, None]]
+                return ref[page_row, pl.ds(0, cap)]
+
+            s = logits(acc, words(km_ref))
             lanes = [(base + r < last, jnp.minimum(base + r, last - 1) * cap)
                      for r in range(n_lanes)]
             p, (accs, m, l, r_acc, z) = softmax(
                 s, valid, lambda s: store_lane_logits(s_ref, s, tok, base + lane_of_row < last,
                                                       lanes), carry)
-            pv, r_acc, z = value_weights(p, vm_ref[page_row, pl.ds(0, cap)], r_acc, z)
+            pv, r_acc, z = value_weights(p, words(vm_ref), r_acc, z)
             for r in range(n_lanes):  # the value dots of lane r's rows alone
                 accs = value_dots(accs, jnp.where(lane_col == r, pv, jnp.zeros_like(pv)),
                                   lane_page[r], 0)
@@ -427,9 +465,10 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         return (lax.fori_loop(first * n_sub, last * n_sub, body, carry),
                 offset + row_pages)
 
-    carry = ([jnp.zeros((Gp, w), jnp.float32)] * parts, jnp.full((Gp,), NEG_INF, jnp.float32),
-             jnp.zeros((Gp,), jnp.float32), jnp.zeros((Gp, RW), jnp.float32),
-             jnp.zeros((Gp,), jnp.float32))
+    acc_shape, r_shape = ((w, Gp), (RW, Gp)) if tr else ((Gp, w), (Gp, RW))
+    carry = ([jnp.zeros(acc_shape, jnp.float32)] * parts,
+             jnp.full((Gp,), NEG_INF, jnp.float32), jnp.zeros((Gp,), jnp.float32),
+             jnp.zeros(r_shape, jnp.float32), jnp.zeros((Gp,), jnp.float32))
     offset = jnp.int32(0)
     for t, fmt in enumerate(tiers):
         carry, offset = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
@@ -437,8 +476,10 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
     accs, m, l, r, z = carry
     # Every tier's values carry the same offset terms: o = acc - 1024 R + Z (every
     # column of the R tile holds the same row sums).
-    corr_o = z - MAGIC * jnp.max(r, axis=1) if magic else z
-    outs = [o + corr_o[:, None] for o in accs]
+    corr_o = z - MAGIC * jnp.max(r, axis=0 if tr else 1) if magic else z
+    outs = [o + per_row(corr_o) for o in accs]
+    if tr:
+        outs = [o.T for o in outs]
     if n_lanes > 1:
         m, l, outs = _merge_lanes(m, l, outs, n_lanes)
     for i, o in enumerate(outs):

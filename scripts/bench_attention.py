@@ -15,6 +15,11 @@ the device, the policy's logits emitted for the DiffKV tiers), plus the exact
 merge of the items. Bytes read = K/V data + metadata + page IDs. Each variant is checked
 against the plain-jnp reference on two rows of the same geometry first.
 
+``--kernel-tiles queries,tokens`` times every quantized variant with both dot
+tilings of the kernel (``LaunchConfig.transposed``: "tokens" makes a page's
+tokens the tiles' rows, the queries padded to 8 columns), the second as
+``<variant>/tokens``.
+
 Times are of back-to-back calls by default; ``--chain L`` times ``L`` launches of
 every variant (ours with its plan and merge) chained in one jitted call, as a
 decode step runs one per layer, so the host's dispatch of each call stays out
@@ -42,6 +47,8 @@ def main() -> int:
     p.add_argument("--batches", default="1,8,32,128")
     p.add_argument("--contexts", default="1024,4096,16384,32768")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--kernel-tiles", default="queries",
+                   help="comma list of the quantized launches' dot tilings: queries, tokens")
     p.add_argument("--chain", type=int, default=0,
                    help="time this many launches chained in one call (0: separate calls)")
     p.add_argument("--copy-gib", type=float, default=4.0,
@@ -63,7 +70,7 @@ def main() -> int:
             return time_chained_ms(fn, q, *rest, launches=args.chain)
         return time_ms(fn, q, *rest)
 
-    def run_variant(v, model, S, N, q, qg, kq, key, index):
+    def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries"):
         nq, H, D = SHAPES[model]
         G = nq // H
         if v == "jax-bf16":
@@ -86,14 +93,17 @@ def main() -> int:
                                     N)
         # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
         lane_dim = 0 if mix == "bf16" else D
-        cfg = _launch(emit_logits=mix.startswith("diffkv"), head_dim=lane_dim)
+        transposed = tiles == "tokens" and mix != "bf16"
+        cfg = _launch(emit_logits=mix.startswith("diffkv"), head_dim=lane_dim,
+                      transposed=transposed)
+        tile_rows = pdk.padded_group(G, 8 if transposed and G <= 8 else 16)
 
         @jax.jit
         def ours(qg, tiers, cfg=cfg):
             rows = qg.shape[0]
             work = pdk.plan_work(pdk.row_pages(tiers), work_items(rows, H))
             o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg, work=work,
-                                                        padded_rows=16)
+                                                        padded_rows=tile_rows)
             return pdk.merge_work(o, m, l, work, rows, H)[0], logits
 
         small, _ = random_case(jax.random.fold_in(key, 99), mix, 2, H, D,
@@ -130,14 +140,23 @@ def main() -> int:
                 q = jax.random.normal(kq, (S, nq, D), jnp.bfloat16)
                 qg = q.reshape(S, H, G, D)  # the kernel pads the group (padded_rows)
                 res = {}
-                for v in variants:
+                runs = [(v, "queries") for v in variants]
+                runs += [(v, "tokens") for v in variants if v not in ("jax-bf16", "ours-bf16")
+                         and "tokens" in args.kernel_tiles.split(",")]
+                if "queries" not in args.kernel_tiles.split(","):
+                    runs = [(v, t) for v, t in runs
+                            if t == "tokens" or v in ("jax-bf16", "ours-bf16")]
+                for v, tiles in runs:
+                    label = v if tiles == "queries" else f"{v}/tokens"
                     try:
-                        res[v] = run_variant(v, model, S, N, q, qg, kq, key, len(res))
+                        # (the same random case for both tilings of a variant)
+                        res[label] = run_variant(v, model, S, N, q, qg, kq, key,
+                                                 variants.index(v), tiles)
                     except Exception as e:  # report and keep going (e.g. an unaddressable pool)
-                        print(f"skip {v} {model} B={S} N={N}: {type(e).__name__}: "
+                        print(f"skip {label} {model} B={S} N={N}: {type(e).__name__}: "
                               f"{str(e).splitlines()[0][:160]}", flush=True)
-                    if res.get(v) is None:
-                        res.pop(v, None)
+                    if res.get(label) is None:
+                        res.pop(label, None)
                 base = res.get("jax-bf16", (None,))[0]
                 for v, (ms, nb, err) in res.items():
                     tb = nb / (ms * 1e-3) / 1e12
@@ -146,12 +165,12 @@ def main() -> int:
                                      speedup_vs_jax=None if base is None else base / ms))
                 save()
                 print(f"done {model} B={S} N={N}", flush=True)
-    print(f"\n{'model':13s} {'B':>4s} {'N':>6s} {'variant':13s} {'ms':>8s} {'MB':>8s} "
+    print(f"\n{'model':13s} {'B':>4s} {'N':>6s} {'variant':20s} {'ms':>8s} {'MB':>8s} "
           f"{'TB/s':>6s} {'%copy':>6s} {'vs jax':>7s} {'rel.err':>8s}")
     for r in rows:
         sp = "" if r["speedup_vs_jax"] is None else f"{r['speedup_vs_jax']:6.2f}x"
         er = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
-        print(f"{r['model']:13s} {r['batch']:4d} {r['context']:6d} {r['variant']:13s} "
+        print(f"{r['model']:13s} {r['batch']:4d} {r['context']:6d} {r['variant']:20s} "
               f"{r['ms']:8.3f} {r['bytes'] / 1e6:8.1f} {r['tbps']:6.2f} "
               f"{r['frac_copy_bw']:6.1%} {sp:>7s} {er:>8s}")
     return 0

@@ -17,9 +17,10 @@ Methods: ``bf16`` (the uncompressed cache's 16-token pages) and ``diffkv``
 emitted). Llama3-8B head shapes.
 
 ``--variants`` times other settings of the work launch on the same rows, each
-a comma-separated list of ``warps``, ``stages``, ``lanes``, ``items``,
-``min_pages`` (variants separated by ``;``), e.g. to tune the launch where the
-engine runs it:
+a comma-separated list of ``warps``, ``stages``, ``lanes``, ``tokens`` (1: a
+page's tokens as the dot tiles' rows, ``LaunchConfig.transposed``, queries
+padded to 8), ``items``, ``min_pages`` (variants separated by ``;``), e.g. to
+tune the launch where the engine runs it:
 
     python scripts/bench_ragged_attention.py --slots 128 --active 14,24,45,64
     python scripts/bench_ragged_attention.py --methods diffkv --active 45,64 --splits 1 \
@@ -75,7 +76,8 @@ def main() -> int:
     nq, H, D = 32, 8, 128
     G, S = nq // H, args.slots
     rows = []
-    fields = {"warps": "num_warps", "stages": "num_stages", "lanes": "page_lanes"}
+    fields = {"warps": "num_warps", "stages": "num_stages", "lanes": "page_lanes",
+              "tokens": "transposed"}
 
     def variant(spec: str) -> tuple[dict, int | None, int]:
         """``(LaunchConfig changes, items or None, min_pages)`` of one --variants entry."""
@@ -83,7 +85,7 @@ def main() -> int:
         for part in filter(None, spec.split(",")):
             key, _, value = part.partition("=")
             if key in fields:
-                changes[fields[key]] = int(value)
+                changes[fields[key]] = bool(int(value)) if key == "tokens" else int(value)
             elif key == "items":
                 items = int(value)
             elif key == "min_pages":
@@ -160,8 +162,9 @@ def main() -> int:
                 def work(qr, tiers, act, cfg=lcfg, n_items=n_items, min_pages=min_pages):
                     wl = pdk.plan_work(pdk.row_pages(tiers, act), n_items, min_pages=min_pages)
                     # As the caches call it: q's real rows, padded in the kernel.
+                    rows = 8 if cfg.transposed and method != "bf16" else 16
                     o, m, l, lg = pdk.paged_decode_partials(qr, tiers, group=G, cfg=cfg,
-                                                            work=wl, padded_rows=16)
+                                                            work=wl, padded_rows=rows)
                     return pdk.merge_work(o, m, l, wl, S, H)[0], lg
 
                 try:

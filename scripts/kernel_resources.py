@@ -121,6 +121,9 @@ def main() -> int:
     p.add_argument("--stages", default="3")
     p.add_argument("--sub", default="0", help="LaunchConfig.sub_slots values (0: whole pages)")
     p.add_argument("--lanes", default="1", help="LaunchConfig.page_lanes values")
+    p.add_argument("--transposed", default="0",
+                   help="LaunchConfig.transposed values (1: pages' tokens as the dot tile's "
+                        "rows, the query rows padded to 8)")
     p.add_argument("--padded-q", action="store_true",
                    help="q padded to 16 rows in memory (the launches before padded_rows)")
     p.add_argument("--out", default="results/ttir")
@@ -143,10 +146,11 @@ def main() -> int:
     D, G = args.head_dim, args.group
     print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
           f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
-    for spec, warps, stages, sub, lanes in itertools.product(
+    for spec, warps, stages, sub, lanes, trans in itertools.product(
             args.tiers.split(","), [int(x) for x in args.warps.split(",")],
             [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")],
-            [int(x) for x in args.lanes.split(",")]):
+            [int(x) for x in args.lanes.split(",")],
+            [bool(int(x)) for x in args.transposed.split(",")]):
         tiers, caps = [], []
         for part in spec.split("+"):
             kb, vb, cap = (int(x) for x in part.split("-"))
@@ -160,25 +164,27 @@ def main() -> int:
                 meta = (jnp.zeros((8, 64), jnp.uint32),) * 2
                 tiers.append(pdk.TierInput(fmt, kv, vv, meta, pages, ntok))
             caps.append(min(cap, sub) if sub and kb < 16 else cap)  # tokens per loop step
-        if lanes > 1 and (sub or "16-16" in spec):
+        if (lanes > 1 or trans) and (sub or "16-16" in spec):
             continue
         cfg = pdk.LaunchConfig(num_warps=warps, num_stages=stages, sub_slots=sub,
-                               page_lanes=lanes)
-        n_lanes = cfg.lanes(16, G)
+                               page_lanes=lanes, transposed=trans)
+        rows = 8 if trans and G <= 8 else 16  # the dot tile's smallest columns / rows
+        n_lanes = cfg.lanes(rows, G)
         if n_lanes > 1:  # tiers of pages up to lane_slots walk a page per lane per step
             caps = [c * n_lanes if c <= cfg.lane_slots else c for c in caps]
         # As the caches call it: q holds the group's rows, the kernel pads them to 16
         # (--padded-q: q padded in memory, as before padded_rows).
-        q = jnp.zeros((1, 1, 16 if args.padded_q else G, D), jnp.bfloat16)
+        q = jnp.zeros((1, 1, rows if args.padded_q else G, D), jnp.bfloat16)
         fn = jax.jit(lambda q: pdk.paged_decode_partials(
             q, tiers, group=G, cfg=cfg, interpret=False,
-            padded_rows=None if args.padded_q else 16))
+            padded_rows=None if args.padded_q else rows))
         name = (f"{spec.replace('+', '_')}_w{warps}_st{stages}" + (f"_sub{sub}" if sub else "")
-                + (f"_lanes{n_lanes}" if n_lanes > 1 else ""))
+                + (f"_lanes{n_lanes}" if n_lanes > 1 else "") + ("_tr" if trans else ""))
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
             fh.write(strip_locations(triton_ir(fn, q)))
-        label = spec + (f" /{sub}" if sub else "") + (f" x{n_lanes}" if n_lanes > 1 else "")
+        label = (spec + (f" /{sub}" if sub else "") + (f" x{n_lanes}" if n_lanes > 1 else "")
+                 + (" T" if trans else ""))
         line = f"{label:24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")

@@ -32,11 +32,11 @@ def test_ragged_attention_benchmark_checks_its_launches(tmp_path):
     out = tmp_path / "ragged.json"
     run_script("bench_ragged_attention.py", "--slots", "4", "--active", "2", "--min-len", "40",
                "--max-len", "200", "--methods", "diffkv,bf16", "--splits", "1",
-               "--variants", "min_pages=4", "--chain", "2", "--json", str(out))
+               "--variants", "min_pages=4;tokens=1", "--chain", "2", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     launches = {(r["method"], r["launch"]) for r in rows}
     assert launches == {(m, n) for m in ("diffkv", "bf16")
-                        for n in ("even-1", "work", "min_pages=4")}
+                        for n in ("even-1", "work", "min_pages=4", "tokens=1")}
     for r in rows:
         # Against the first launch (even splits): the same attention; on the CPU the
         # caches' launch takes float32 dots, the even-split one float16 codes (~1e-3).
@@ -48,10 +48,12 @@ def test_attention_benchmark_checks_and_chains_its_launches(tmp_path):
     # (JAX's own kernel runs on the GPU only.)
     run_script("bench_attention.py", "--models", "smollm2-135m", "--batches", "2",
                "--contexts", "256", "--variants", "ours-bf16,diffkv-high,diffkv-50/50",
-               "--chain", "3", "--copy-gib", "0.05", "--json", str(out))
+               "--kernel-tiles", "queries,tokens", "--chain", "3", "--copy-gib", "0.05",
+               "--json", str(out))
     res = json.loads(out.read_text())
     assert res["args"]["chain"] == 3
-    assert [r["variant"] for r in res["rows"]] == ["ours-bf16", "diffkv-high", "diffkv-50/50"]
+    assert [r["variant"] for r in res["rows"]] == [
+        "ours-bf16", "diffkv-high", "diffkv-50/50", "diffkv-high/tokens", "diffkv-50/50/tokens"]
     for r in res["rows"]:  # each checked against the plain-jnp reference first
         assert r["rel_err"] < 5e-3 and r["ms"] > 0 and r["bytes"] > 0
 

@@ -187,6 +187,26 @@ def test_merge_in_the_policy_launch_serves_the_same_tokens(tiny_model, compiled)
         make_method("diffkv", cfg, max_seqs=2, max_context=128, merge_impl="pallas")
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
+                         ids=["here", "gpu"])
+def test_token_tiles_serve_the_same_tokens(tiny_model, compiled):
+    # kernel_tiles="tokens": the decode launch takes its dots with a page's tokens
+    # as the tiles' rows (LaunchConfig.transposed). Only summation order and the
+    # padding differ: the same greedy tokens and tier mix, scores close.
+    cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=12)
+    queries = make_method("diffkv", cfg, max_seqs=2, max_context=128,
+                          page_size=16 if compiled else 8, window=8, attention_impl="pallas",
+                          alpha_high=1.0, alpha_low=0.05)
+    tokens = dataclasses.replace(queries, kernel_tiles="tokens")
+    runs = [_serve(cfg, params, m, prompts, max_new=40, steps=30) for m in (queries, tokens)]
+    assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
+    assert runs[0][2]["frac_low"] > 0
+    assert abs(runs[0][2]["frac_low"] - runs[1][2]["frac_low"]) < 0.02
+    np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=2e-3, atol=1e-4)
+    with pytest.raises(ValueError, match="kernel_tiles"):
+        dataclasses.replace(queries, kernel_tiles="columns")
+
+
 @pytest.mark.parametrize("rule", ["h2o", "streamingllm"])
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
                          ids=["here", "gpu"])
