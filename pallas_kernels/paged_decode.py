@@ -8,7 +8,9 @@ across tiers (with ``LaunchConfig.page_lanes``, several pages per step, one
 per copy of the group in the padded rows). :func:`plan_work` cuts the rows
 into items of at most the same number of pages on the device, so ragged rows
 keep every program equally busy; :func:`even_work` gives each row a fixed
-number of equal splits.
+number of equal splits. With ``LaunchConfig.transposed`` the quantized tiers'
+dots take a page's tokens as the tiles' rows and the group as their columns
+(padded to 8, the narrowest dot tile's columns, instead of 16 rows).
 
 Keys enter the ``q . k`` dot as integer codes and the per-token scale/zero
 are applied to the logits; values likewise through the probabilities:
@@ -442,6 +444,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             page_row = lane_page[0]
             for r in range(1, n_lanes):
                 page_row = jnp.where(lane_of_row == r, lane_page[r], page_row)
+
             def words(ref):  # each row's metadata words, from its lane's page
                 if tr:
                     return ref[page_row[None, :], col_iota[:, None]]
