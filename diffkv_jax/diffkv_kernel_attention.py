@@ -74,7 +74,7 @@ def _tile_rows(G: int, transposed: bool = False) -> int | None:
     16 rows, or 8 columns where the queries are the columns (``transposed``)."""
     if not backend.on_gpu():
         return pdk.padded_group(G, 8) if transposed else None
-    return pdk.padded_group(G, 8 if transposed and G <= 8 else 16)
+    return pdk.tile_rows(G, transposed)
 
 
 def plan_full_work(lengths, active, page_size: int, H: int) -> pdk.WorkList:

@@ -55,8 +55,8 @@ def pages_for_memory(method, memory_bytes: int) -> int:
     per_page, fixed = two - one, 2 * one - two
     pages = (memory_bytes - fixed) // per_page if per_page > 0 else 0
     fit = getattr(method, "addressable_pages", None)
-    if pages >= 1 and fit is not None and fit(pages) != pages:
-        usable = fit(pages)
+    usable = fit(pages) if pages >= 1 and fit is not None else pages
+    if usable != pages:
         above = _next_addressable(fit, pages)
         warnings.warn(
             f"{type(method).__name__}: a budget of {memory_bytes / 2**30:.2f} GiB buys {pages} "

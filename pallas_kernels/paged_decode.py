@@ -730,6 +730,13 @@ def padded_group(G: int, multiple: int) -> int:
     return -(-G // multiple) * multiple
 
 
+def tile_rows(group: int, transposed: bool = False) -> int:
+    """Query rows of the GPU kernel's tiles for a group of ``group``: a multiple of 16
+    (the dot tile's rows), or of 8 (its columns) where a quantized launch takes the
+    queries as the columns (``LaunchConfig.transposed``) and the group fits 8."""
+    return padded_group(group, 8 if transposed and group <= 8 else 16)
+
+
 def pad_group(q, multiple: int):
     """Pad the group axis of ``q [S, H, G, D]`` to a multiple (the GPU dot needs >= 16 rows)."""
     G = q.shape[2]

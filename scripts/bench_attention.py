@@ -63,12 +63,10 @@ def main() -> int:
     from diffkv_jax.diffkv_kernel_attention import _launch, work_items
     from pallas_kernels import paged_decode as pdk
     from scripts.decode_cases import (SHAPES, case_reference, copy_bandwidth, random_case,
-                                      time_chained_ms, time_ms)
+                                      time_launch_ms)
 
     def timed(fn, q, *rest):
-        if args.chain:
-            return time_chained_ms(fn, q, *rest, launches=args.chain)
-        return time_ms(fn, q, *rest)
+        return time_launch_ms(fn, q, *rest, chain=args.chain)
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries"):
         nq, H, D = SHAPES[model]
@@ -96,7 +94,7 @@ def main() -> int:
         transposed = tiles == "tokens" and mix != "bf16"
         cfg = _launch(emit_logits=mix.startswith("diffkv"), head_dim=lane_dim,
                       transposed=transposed)
-        tile_rows = pdk.padded_group(G, 8 if transposed and G <= 8 else 16)
+        tile_rows = pdk.tile_rows(G, transposed)
 
         @jax.jit
         def ours(qg, tiers, cfg=cfg):

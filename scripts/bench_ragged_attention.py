@@ -66,12 +66,10 @@ def main() -> int:
 
     from diffkv_jax.diffkv_kernel_attention import _launch, work_items
     from pallas_kernels import paged_decode as pdk
-    from scripts.decode_cases import time_chained_ms, time_ms
+    from scripts.decode_cases import time_launch_ms
 
     def timed(fn, q, *rest):
-        if args.chain:
-            return time_chained_ms(fn, q, *rest, launches=args.chain)
-        return time_ms(fn, q, *rest)
+        return time_launch_ms(fn, q, *rest, chain=args.chain)
 
     nq, H, D = 32, 8, 128
     G, S = nq // H, args.slots
@@ -162,7 +160,7 @@ def main() -> int:
                 def work(qr, tiers, act, cfg=lcfg, n_items=n_items, min_pages=min_pages):
                     wl = pdk.plan_work(pdk.row_pages(tiers, act), n_items, min_pages=min_pages)
                     # As the caches call it: q's real rows, padded in the kernel.
-                    rows = 8 if cfg.transposed and method != "bf16" else 16
+                    rows = pdk.tile_rows(G, cfg.transposed and method != "bf16")
                     o, m, l, lg = pdk.paged_decode_partials(qr, tiers, group=G, cfg=cfg,
                                                             work=wl, padded_rows=rows)
                     return pdk.merge_work(o, m, l, wl, S, H)[0], lg

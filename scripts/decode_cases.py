@@ -126,6 +126,14 @@ def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5)
     return time_ms(chain, q, zero, *rest, reps=reps, rounds=rounds) / launches
 
 
+def time_launch_ms(fn, q, *rest, chain: int = 0) -> float:
+    """:func:`time_chained_ms` over ``chain`` launches, or :func:`time_ms` of
+    back-to-back calls where ``chain`` is 0."""
+    if chain:
+        return time_chained_ms(fn, q, *rest, launches=chain)
+    return time_ms(fn, q, *rest)
+
+
 def copy_bandwidth(gib: float = 4.0) -> float:
     """Device-to-device copy bandwidth (TB/s, bytes read + written) through XLA."""
     x = jnp.ones((int(gib * 2**28),), jnp.float32)

@@ -168,7 +168,7 @@ def main() -> int:
             continue
         cfg = pdk.LaunchConfig(num_warps=warps, num_stages=stages, sub_slots=sub,
                                page_lanes=lanes, transposed=trans)
-        rows = 8 if trans and G <= 8 else 16  # the dot tile's smallest columns / rows
+        rows = pdk.tile_rows(G, trans)
         n_lanes = cfg.lanes(rows, G)
         if n_lanes > 1:  # tiers of pages up to lane_slots walk a page per lane per step
             caps = [c * n_lanes if c <= cfg.lane_slots else c for c in caps]
