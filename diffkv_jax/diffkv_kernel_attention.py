@@ -87,12 +87,16 @@ def plan_full_work(lengths, active, page_size: int, H: int) -> pdk.WorkList:
     return pdk.plan_work(pages, work_items(S, H))
 
 
-def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work: pdk.WorkList):
+def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work: pdk.WorkList,
+                          merge_in_launch: bool = False):
     """:func:`diffkv_jax.attention.paged_decode_attention` through the kernel.
 
     ``q [S, nq, D]``; ``k_pages, v_pages [P, page_size, D]``; ``page_ids [S, H, n]``;
     ``lengths [S]`` tokens to attend to; ``work``: :func:`plan_full_work` of the step
-    (rows without items come out as zeros). Returns ``[S, nq, D]`` float32.
+    (rows without items come out as zeros). ``merge_in_launch``: the work items
+    merged by one launch (:func:`pallas_kernels.row_merge.merge_rows`), which writes
+    the output in ``q``'s dtype, instead of XLA's segment reductions. Returns
+    ``[S, nq, D]``, float32 (or ``q``'s dtype with ``merge_in_launch``).
     """
     S, nq, D = q.shape
     H = page_ids.shape[1]
@@ -103,7 +107,12 @@ def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work: pdk.Work
     o, m, l, _ = pdk.paged_decode_partials(_grouped_query(q, H), [tier], group=G,
                                            cfg=_launch(False), work=work,
                                            padded_rows=_tile_rows(G))
-    out, _, _ = pdk.merge_work(o, m, l, work, S, H)
+    if merge_in_launch:
+        from pallas_kernels.row_merge import merge_rows
+
+        out = merge_rows(o, m, l, work, S, H, out_dtype=q.dtype)[0]
+    else:
+        out = pdk.merge_work(o, m, l, work, S, H)[0]
     return out.reshape(S, nq, D)
 
 
@@ -180,7 +189,7 @@ def _tier_partials(method, state, layer, q, n_hi: int, n_lo: int, work: pdk.Work
         pages.append(rows[:, :, cols])
         tiers.append(pdk.TierInput(fmt, keys, values, (state.k_meta, state.v_meta), pages[-1],
                                    state.n_tok[:S, layer, :, tier]))
-    tokens = method.kernel_tiles == "tokens"
+    tokens = method.token_tiles
     parts = pdk.paged_decode_partials(qg, tiers, group=G, cfg=_launch(True, D, tokens),
                                       work=work, padded_stats=padded_stats,
                                       padded_rows=_tile_rows(G, tokens))

@@ -39,11 +39,12 @@ def parse_tier(text: str) -> Tier:
 def _build_full(cfg: ModelConfig, *, max_seqs: int, max_context: int, dtype: Any,
                 page_size: int | None, **options) -> FullCache:
     impl = options.pop("attention_impl", "reference")
+    merge = options.pop("merge_impl", "auto")
     if options:
         raise ValueError(f"options {sorted(options)} do not apply to the full cache")
     return FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                      max_context=max_context, page_size=page_size or 16,
-                     dtype=jnp.dtype(dtype).name, attention_impl=impl)
+                     dtype=jnp.dtype(dtype).name, attention_impl=impl, merge_impl=merge)
 
 
 def _build_diffkv(cfg: ModelConfig, *, max_seqs: int, max_context: int, dtype: Any,
@@ -63,7 +64,7 @@ def _diffkv_cache(cfg: ModelConfig, *, max_seqs: int, max_context: int, page_siz
     writes = options.pop("write_impl", "auto")
     decide = options.pop("decide_impl", "auto")
     merge = options.pop("merge_impl", "auto")
-    tiles = options.pop("kernel_tiles", "queries")
+    tiles = options.pop("kernel_tiles", "auto")
     policy = DiffKVPolicy(**options)
     return DiffKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                        max_context=max_context, policy=policy,
@@ -184,8 +185,9 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     launch where the fused writes run compiled on a GPU), ``merge_impl`` ("auto", "xla"
     or "pallas": the merge of the attention kernel's partials as XLA segment reductions
     or inside the policy kernel's launch; "auto" is the launch where the kernels run
-    compiled on a GPU), ``kernel_tiles`` ("queries" or "tokens": the decode kernel's
-    dot tiles with the query rows or a page's tokens as their rows).
+    compiled on a GPU), ``kernel_tiles`` ("auto", "queries" or "tokens": the decode
+    kernel's dot tiles with the query rows or a page's tokens as their rows; "auto" is
+    "tokens" where the kernels run compiled on a GPU).
     ``int8`` / ``k8v4``: the diffkv options except the ones that define them
     (``high``, ``low``, ``low_tier``, ``alpha_low``).
     ``h2o`` / ``streamingllm`` / ``snapkv`` (token eviction, every kept token K8V8):

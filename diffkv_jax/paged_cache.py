@@ -113,6 +113,11 @@ class FullCache(SlotPages):
       attention_impl: "reference" (plain jnp: gathers the pages) or "pallas" (the
         paged decode kernel of pallas_kernels/paged_decode.py; interpret mode
         off the GPU).
+      merge_impl: how the kernel path merges its work items: "xla" (segment
+        reductions, :func:`pallas_kernels.paged_decode.merge_work`), "pallas" (one
+        launch, :func:`pallas_kernels.row_merge.merge_rows`, the output written in
+        the query's dtype), or "auto": "pallas" where the kernels run compiled on a
+        GPU, "xla" otherwise.
     """
 
     num_layers: int
@@ -123,6 +128,7 @@ class FullCache(SlotPages):
     page_size: int = 16
     dtype: str = "float32"
     attention_impl: str = "reference"
+    merge_impl: str = "auto"
 
     name = "full"
     swap_pool_fields = ("k_pages", "v_pages")
@@ -133,6 +139,17 @@ class FullCache(SlotPages):
                              f"got {self.attention_impl!r}")
         if self.attention_impl == "pallas" and self.head_dim % 16:
             raise ValueError("the Pallas kernel needs head_dim % 16 == 0")
+        if self.merge_impl not in ("auto", "xla", "pallas"):
+            raise ValueError(f"merge_impl must be 'auto', 'xla' or 'pallas', "
+                             f"got {self.merge_impl!r}")
+
+    @property
+    def merges_in_launch(self) -> bool:
+        """Whether the kernel path merges its work items with one Pallas launch."""
+        if self.merge_impl == "auto":
+            from pallas_kernels import backend
+            return self.attention_impl == "pallas" and backend.on_gpu()
+        return self.merge_impl == "pallas"
 
     # ---- geometry -------------------------------------------------------------
     @property
@@ -308,7 +325,8 @@ class FullCache(SlotPages):
         if self.attention_impl == "pallas":
             from diffkv_jax.diffkv_kernel_attention import full_decode_attention
 
-            return full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work)
+            return full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work,
+                                         merge_in_launch=self.merges_in_launch)
         return attn_ref.paged_decode_attention(q, k_pages, v_pages, page_ids, lengths)
 
     def end_decode(self, state: PagedKVState, batch: DecodeBatch) -> PagedKVState:

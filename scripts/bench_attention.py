@@ -21,9 +21,16 @@ tokens the tiles' rows, the queries padded to 8 columns), the second as
 ``<variant>/tokens``.
 
 Times are of back-to-back calls by default; ``--chain L`` times ``L`` launches of
-every variant (ours with its plan and merge) chained in one jitted call, as a
-decode step runs one per layer, so the host's dispatch of each call stays out
-of the figure (it is comparable to the device time of the short launches).
+every variant (ours with its merge) chained in one jitted call, as a decode
+step runs one per layer, so the host's dispatch of each call stays out of the
+figure (it is comparable to the device time of the short launches). With a
+chain, ``--plan step`` (the default) plans our work items once per chained
+call, shared by its ``L`` launches, as the engine plans them once per decode
+step for all its layers; ``--plan launch`` plans them in every launch (and
+without a chain every call plans its own). ``--merge rows`` (default) merges
+the items in one launch (:func:`pallas_kernels.row_merge.merge_rows`),
+``--merge segments`` with XLA's segment reductions
+(:func:`pallas_kernels.paged_decode.merge_work`).
 
     python scripts/bench_attention.py                     # the full grid
     python scripts/bench_attention.py --models llama3-8b --batches 32,128 --contexts 4096
@@ -51,6 +58,10 @@ def main() -> int:
                    help="comma list of the quantized launches' dot tilings: queries, tokens")
     p.add_argument("--chain", type=int, default=0,
                    help="time this many launches chained in one call (0: separate calls)")
+    p.add_argument("--plan", default="step", choices=("step", "launch"),
+                   help="our work items planned once per chained call, or in every launch")
+    p.add_argument("--merge", default="rows", choices=("rows", "segments"),
+                   help="our items merged by one launch (rows) or XLA segment reductions")
     p.add_argument("--copy-gib", type=float, default=4.0,
                    help="size of the copy that measures the bandwidth")
     p.add_argument("--json", default="results/bench_attention.json")
@@ -62,11 +73,14 @@ def main() -> int:
 
     from diffkv_jax.diffkv_kernel_attention import _launch, work_items
     from pallas_kernels import paged_decode as pdk
+    from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import (SHAPES, case_reference, copy_bandwidth, random_case,
                                       time_launch_ms)
 
-    def timed(fn, q, *rest):
-        return time_launch_ms(fn, q, *rest, chain=args.chain)
+    def timed(fn, q, *rest, prepare=None):
+        return time_launch_ms(fn, q, *rest, chain=args.chain, prepare=prepare)
+
+    merge = merge_rows if args.merge == "rows" else pdk.merge_work
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries"):
         nq, H, D = SHAPES[model]
@@ -96,13 +110,17 @@ def main() -> int:
                       transposed=transposed)
         tile_rows = pdk.tile_rows(G, transposed)
 
-        @jax.jit
-        def ours(qg, tiers, cfg=cfg):
-            rows = qg.shape[0]
-            work = pdk.plan_work(pdk.row_pages(tiers), work_items(rows, H))
+        def plan(tiers):
+            return pdk.plan_work(pdk.row_pages(tiers), work_items(tiers[0].n_tok.shape[0], H))
+
+        def launch(qg, work, tiers, cfg=cfg):
             o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg, work=work,
                                                         padded_rows=tile_rows)
-            return pdk.merge_work(o, m, l, work, rows, H)[0], logits
+            return merge(o, m, l, work, qg.shape[0], H)[0], logits
+
+        @jax.jit
+        def ours(qg, tiers):
+            return launch(qg, plan(tiers), tiers)
 
         small, _ = random_case(jax.random.fold_in(key, 99), mix, 2, H, D,
                                min(N, 2048))
@@ -112,7 +130,8 @@ def main() -> int:
         rout = pdk.merge_partials([r[:3] for r in ref])[0]
         got = ours(qc, small)[0][:, :, :G]
         err = float(jnp.abs(got - rout).max() / jnp.abs(rout).max())
-        ms = timed(ours, qg, tiers)
+        ms = (timed(launch, qg, tiers, prepare=plan) if args.plan == "step" and args.chain
+              else timed(ours, qg, tiers))
         del tiers
         return ms, nbytes, err
 
@@ -125,8 +144,10 @@ def main() -> int:
 
     bw = copy_bandwidth(args.copy_gib)
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.2f} TB/s; "
-          + (f"{args.chain} launches chained per call" if args.chain else "separate calls"),
-          flush=True)
+          + (f"{args.chain} launches chained per call, planned per "
+             f"{'call' if args.plan == 'step' else 'launch'}" if args.chain
+             else "separate calls")
+          + f"; merge: {args.merge}", flush=True)
     variants = args.variants.split(",")
     rows, key = [], jax.random.PRNGKey(0)
     for model in args.models.split(","):

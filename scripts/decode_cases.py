@@ -102,35 +102,43 @@ def time_ms(fn, *args, reps: int = 20, rounds: int = 5) -> float:
     return ts[len(ts) // 2] * 1e3
 
 
-def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5) -> float:
+def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5,
+                    prepare=None) -> float:
     """Device time of one ``fn(q, *rest)`` (ms), from ``launches`` of them chained in
     one jitted call, as a decode step runs one attention launch per layer: no host
     dispatch between them. ``fn`` returns an array, or a tuple that starts with one;
     each launch takes ``q + 0 * sum(the previous output)`` (with the zero an
     argument: a reduction and an elementwise op per launch, the same for every
     variant), so no launch can be hoisted out of the loop and no part of an output
-    left uncomputed."""
+    left uncomputed. ``prepare(*rest)``, if given, runs once per call, before the
+    chain (what a decode step computes once for all its layers, as the work list):
+    the launches are then ``fn(q, prepared, *rest)`` and its cost is shared by them."""
     from jax import lax
 
-    def total(q, *rest):
-        out = fn(q, *rest)
+    def total(q, prepared, *rest):
+        out = fn(q, *rest) if prepare is None else fn(q, prepared, *rest)
         out = out[0] if isinstance(out, (tuple, list)) else out
         return jnp.sum(out.astype(jnp.float32))
 
     @jax.jit
     def chain(q, zero, *rest):
-        body = lambda _, q: q + (zero * total(q, *rest)).astype(q.dtype)  # noqa: E731
+        prepared = None if prepare is None else prepare(*rest)
+        body = lambda _, q: q + (zero * total(q, prepared, *rest)).astype(q.dtype)  # noqa: E731
         return lax.fori_loop(0, launches, body, q)
 
     zero = jnp.float32(0)
     return time_ms(chain, q, zero, *rest, reps=reps, rounds=rounds) / launches
 
 
-def time_launch_ms(fn, q, *rest, chain: int = 0) -> float:
+def time_launch_ms(fn, q, *rest, chain: int = 0, prepare=None) -> float:
     """:func:`time_chained_ms` over ``chain`` launches, or :func:`time_ms` of
-    back-to-back calls where ``chain`` is 0."""
+    back-to-back calls where ``chain`` is 0 (``prepare``, if given, then inside
+    every call)."""
     if chain:
-        return time_chained_ms(fn, q, *rest, launches=chain)
+        return time_chained_ms(fn, q, *rest, launches=chain, prepare=prepare)
+    if prepare is not None:
+        inner = fn
+        fn = jax.jit(lambda q, *rest: inner(q, prepare(*rest), *rest))
     return time_ms(fn, q, *rest)
 
 

@@ -51,7 +51,8 @@ def test_attention_benchmark_checks_and_chains_its_launches(tmp_path):
                "--kernel-tiles", "queries,tokens", "--chain", "3", "--copy-gib", "0.05",
                "--json", str(out))
     res = json.loads(out.read_text())
-    assert res["args"]["chain"] == 3
+    assert res["args"]["chain"] == 3 and res["args"]["plan"] == "step"
+    assert res["args"]["merge"] == "rows"  # the items merged by one launch
     assert [r["variant"] for r in res["rows"]] == [
         "ours-bf16", "diffkv-high", "diffkv-50/50", "diffkv-high/tokens", "diffkv-50/50/tokens"]
     for r in res["rows"]:  # each checked against the plain-jnp reference first
@@ -74,6 +75,22 @@ def test_chained_timing_runs_every_launch():
     assert time_chained_ms(fn, q, w, launches=4, reps=1, rounds=1) > 0
     jax.effects_barrier()
     assert len(runs) == 4 * 3  # two warm-up calls and one timed call of 4 launches
+
+    # What a decode step computes once for its layers (the work list) runs once per
+    # chained call, and every launch gets it.
+    plans, runs[:] = [], []
+
+    def prepare(w):
+        jax.debug.callback(lambda: plans.append(1))
+        return w * 2
+
+    def launch(q, prepared, w):
+        jax.debug.callback(lambda: runs.append(1))
+        return jnp.tanh(q @ prepared), None
+
+    assert time_chained_ms(launch, q, w, launches=4, reps=1, rounds=1, prepare=prepare) > 0
+    jax.effects_barrier()
+    assert len(plans) == 3 and len(runs) == 4 * 3
 
 
 def _run_result(method, wall, trace):

@@ -131,12 +131,14 @@ def test_pallas_impl_rejects_unfit_tiers():
         DiffKVCache(1, 1, 16, 1, 64, high=Tier(8, 4), low=Tier(8, 2), attention_impl="pallas")
 
 
-def test_full_cache_kernel_path_matches_reference_path(tiny_model):
+@pytest.mark.parametrize("merge", ["xla", "pallas"])
+def test_full_cache_kernel_path_matches_reference_path(tiny_model, merge):
     cfg, params = tiny_model
     rng = np.random.default_rng(4)
     docs = [list(rng.integers(0, cfg.vocab_size, size=90)) for _ in range(2)]
     ref = make_method("full", cfg, max_seqs=2, max_context=128, page_size=8)
-    ker = dataclasses.replace(ref, attention_impl="pallas")
+    ker = dataclasses.replace(ref, attention_impl="pallas", merge_impl=merge)
+    assert ker.merges_in_launch == (merge == "pallas")
     a = score_teacher_forced(cfg, params, ref, docs, 10, progress=False)
     b = score_teacher_forced(cfg, params, ker, docs, 10, progress=False)
     # Uncompressed, float32 dots: the two paths differ only in summation order.
@@ -150,6 +152,9 @@ def test_full_cache_rejects_unknown_attention_impl():
     with pytest.raises(ValueError, match="attention_impl"):
         make_method("full", PRESETS["smollm2-135m"], max_seqs=1, max_context=16,
                     attention_impl="fast")
+    with pytest.raises(ValueError, match="merge_impl"):
+        make_method("full", PRESETS["smollm2-135m"], max_seqs=1, max_context=16,
+                    merge_impl="fast")
 
 
 def _serve(cfg, params, method, prompts, max_new: int, steps: int):
@@ -196,8 +201,12 @@ def test_token_tiles_serve_the_same_tokens(tiny_model, compiled):
     cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=12)
     queries = make_method("diffkv", cfg, max_seqs=2, max_context=128,
                           page_size=16 if compiled else 8, window=8, attention_impl="pallas",
-                          alpha_high=1.0, alpha_low=0.05)
+                          alpha_high=1.0, alpha_low=0.05, kernel_tiles="queries")
     tokens = dataclasses.replace(queries, kernel_tiles="tokens")
+    # The default takes token tiles where the kernels run compiled.
+    assert dataclasses.replace(queries, kernel_tiles="auto").token_tiles == compiled
+    assert not dataclasses.replace(tokens, attention_impl="reference",
+                                   kernel_tiles="auto").token_tiles
     runs = [_serve(cfg, params, m, prompts, max_new=40, steps=30) for m in (queries, tokens)]
     assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
     assert runs[0][2]["frac_low"] > 0
@@ -266,3 +275,25 @@ def test_page_lanes_decode_like_one_lane_on_gpu(tiny_model, monkeypatch):
     assert (np.abs(lanes.nll - plain.nll).mean()
             <= 1.5 * np.abs(one.nll - plain.nll).mean() + 1e-3)
     assert lanes.memory["frac_low"] > 0
+
+
+@pytest.mark.gpu
+def test_full_cache_merge_launch_serves_the_same_tokens_on_gpu(tiny_model):
+    # The uncompressed cache's work items merged by one launch (the default where the
+    # kernels run compiled) against XLA's segment reductions: the same greedy tokens.
+    cfg, params, prompts = _two_prompts(tiny_model, True, seed=13)
+    xla = make_method("full", cfg, max_seqs=2, max_context=128, page_size=16,
+                      attention_impl="pallas", merge_impl="xla")
+    launch = dataclasses.replace(xla, merge_impl="auto")
+    assert launch.merges_in_launch and not xla.merges_in_launch
+    from diffkv_jax.engine import Engine
+    from diffkv_jax.generation import SamplingParams
+
+    runs = []
+    for m in (xla, launch):
+        eng = Engine(cfg, params, m, num_pages=2 * m.pages_for_tokens(128) + 64)
+        ids = [eng.add_request(p, SamplingParams(max_new_tokens=40)) for p in prompts]
+        for _ in range(30):
+            eng.step()
+        runs.append([eng.requests[i].output for i in ids])
+    assert runs[0] == runs[1] and len(runs[0][0]) > 20

@@ -1,0 +1,117 @@
+"""The exact merge of a decode launch's work items, one Pallas launch.
+
+The attention launch over a :class:`~pallas_kernels.paged_decode.WorkList`
+leaves partial results per work item (``o, m, l``: the item's normalized
+output, its softmax max and normalizer); a row's items must be merged
+(flash-decoding) before the layer goes on. As XLA ops
+(:func:`~pallas_kernels.paged_decode.merge_work`) that is a segment max, two
+segment sums over scatters and the divisions: several small kernels per layer.
+Here one program per (sequence, KV head) row walks the row's consecutive
+items once (``WorkList.ranges``), rescaling its running sums at each new
+maximum, and writes the row's output and statistics: one launch per layer.
+
+:func:`~pallas_kernels.paged_decode.merge_work` is the reference it is tested
+against (same results up to summation order).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import backend
+from pallas_kernels.paged_decode import NEG_INF, WorkList
+
+
+def _kernel(*refs, group: int, with_extra: bool, interpret: bool):
+    rng_ref, o_ref, m_ref, l_ref = refs[:4]
+    extra_refs = refs[4:7] if with_extra else ()
+    out_ref, M_ref, L_ref = refs[4 + len(extra_refs):]
+    D = o_ref.shape[-1]
+    # The GPU loads power-of-two shapes: rows past the group repeat the last real
+    # row, and only the real rows are stored.
+    Gq = group if interpret else pl.next_power_of_2(group)
+    rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (Gq,), 0), group - 1)
+    dcol = lax.broadcasted_iota(jnp.int32, (D,), 0)
+    first, count = rng_ref[0], rng_ref[1]
+
+    def item(j, carry):
+        mx, lx, ox = carry
+        w = first + j
+        mi, li = m_ref[w, rows], l_ref[w, rows]
+        oi = o_ref[w, rows[:, None], dcol[None, :]].astype(jnp.float32)
+        mn = jnp.maximum(mx, mi)
+        a, b = jnp.exp(mx - mn), jnp.exp(mi - mn)
+        return mn, lx * a + li * b, ox * a[:, None] + oi * b[:, None]
+
+    init = (jnp.full((Gq,), NEG_INF, jnp.float32), jnp.zeros((Gq,), jnp.float32),
+            jnp.zeros((Gq, D), jnp.float32))
+    mx, lx, ox = lax.fori_loop(0, count, item, init)
+    if with_extra:
+        eo_ref, em_ref, el_ref = extra_refs
+        me, le = em_ref[rows], el_ref[rows]
+        oe = eo_ref[rows[:, None], dcol[None, :]].astype(jnp.float32)
+        mn = jnp.maximum(mx, me)
+        a, b = jnp.exp(mx - mn), jnp.exp(me - mn)
+        mx, lx, ox = mn, lx * a + le * b, ox * a[:, None] + oe * b[:, None]
+    # Rows without items (or extra) come out as zeros, as merge_work leaves them.
+    out = ox / jnp.where(lx > 0, lx, 1.0)[:, None]
+    if interpret:
+        out_ref[...] = out.astype(out_ref.dtype)
+        M_ref[...] = mx
+        L_ref[...] = lx
+    else:
+        from jax.experimental.pallas import triton as plgpu
+
+        real = lax.broadcasted_iota(jnp.int32, (Gq,), 0) < group
+        plgpu.store(out_ref.at[rows[:, None], dcol[None, :]], out.astype(out_ref.dtype),
+                    mask=real[:, None])
+        plgpu.store(M_ref.at[rows], mx, mask=real)
+        plgpu.store(L_ref.at[rows], lx, mask=real)
+
+
+def merge_rows(o, m, l, work: WorkList, S: int, H: int, extra=None, *,
+               out_dtype=jnp.float32, num_warps: int = 4, interpret: bool | None = None):
+    """Exact per-row merge of a work list's items, as one launch.
+
+    Args:
+      o, m, l: ``[N, G, D]``, ``[N, G]``, ``[N, G]`` from
+        :func:`~pallas_kernels.paged_decode.paged_decode_partials` over ``work``.
+      work: the :class:`WorkList` with ``ranges`` (:func:`plan_work`'s).
+      extra: optional ``(o [S,H,G,D], m [S,H,G], l [S,H,G])`` for one more source
+        (e.g. the token being decoded, with ``l = 1``).
+      out_dtype: dtype of ``out`` (float32, or the model's, saving a conversion).
+    Returns:
+      ``(out [S,H,G,D], M [S,H,G], L [S,H,G])`` as
+      :func:`~pallas_kernels.paged_decode.merge_work`.
+    """
+    if work.ranges is None:
+        raise ValueError("merge_rows needs the work list's ranges (plan_work's)")
+    if interpret is None:
+        interpret = backend.default_interpret()
+    G, D = o.shape[1], o.shape[2]
+    ranges = work.ranges.reshape(S, H, 2).astype(jnp.int32)
+    whole = lambda a: pl.BlockSpec(a.shape, lambda s, h: (0,) * a.ndim)  # noqa: E731
+    per_row = lambda a: pl.BlockSpec((None, None) + a.shape[2:],  # noqa: E731
+                                     lambda s, h: (s, h) + (0,) * (a.ndim - 2))
+    args = [ranges, o, m.astype(jnp.float32), l.astype(jnp.float32)]
+    specs = [per_row(ranges), whole(o), whole(args[2]), whole(args[3])]
+    if extra is not None:
+        ex = [extra[0], extra[1].astype(jnp.float32), extra[2].astype(jnp.float32)]
+        args += ex
+        specs += [per_row(x) for x in ex]
+    out_shape = [jax.ShapeDtypeStruct((S, H, G, D), out_dtype),
+                 jax.ShapeDtypeStruct((S, H, G), jnp.float32),
+                 jax.ShapeDtypeStruct((S, H, G), jnp.float32)]
+    kernel = functools.partial(_kernel, group=G, with_extra=extra is not None,
+                               interpret=interpret)
+    return tuple(pl.pallas_call(
+        kernel, grid=(S, H), in_specs=specs, out_specs=[per_row(x) for x in out_shape],
+        out_shape=out_shape, interpret=interpret,
+        compiler_params=None if interpret else backend.compiler_params(num_warps, 1),
+        name="merge_rows",
+    )(*args))

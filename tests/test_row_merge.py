@@ -1,0 +1,77 @@
+"""The work items' merge as one launch (pallas_kernels/row_merge.py) against
+paged_decode.merge_work (XLA segment reductions)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_decode as pdk
+from pallas_kernels.row_merge import merge_rows
+
+
+def partials(rng, S=4, H=3, G=3, D=32, N=24):
+    """Random partials over a planned work list; row (0, 1) and sequence 2 hold no
+    pages (no items)."""
+    pages = jnp.asarray(rng.integers(1, 9, size=(S, H)), jnp.int32)
+    pages = pages.at[0, 1].set(0).at[2].set(0)
+    work = pdk.plan_work(pages, N)
+    f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    o, m = f(N, G, D), f(N, G) * 3
+    l = jnp.asarray(rng.uniform(0.5, 20, size=(N, G)), jnp.float32)
+    extra = (f(S, H, G, D), f(S, H, G) * 3, jnp.ones((S, H, G), jnp.float32))
+    return work, o, m, l, extra, (S, H)
+
+
+def check(got, ref, rtol):
+    for g, r in zip(got, ref):
+        assert g.shape == r.shape
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r), rtol=rtol,
+                                   atol=rtol)
+
+
+@pytest.mark.parametrize("with_extra", [False, True], ids=["items", "items+extra"])
+@pytest.mark.parametrize("G,D", [(3, 32), (4, 64), (1, 16)])
+def test_matches_the_segment_merge(with_extra, G, D):
+    # Online (rescaled at each new max, item by item) against the global max first:
+    # equal up to rounding; rows without items are zeros with M = NEG_INF, L = 0.
+    rng = np.random.default_rng(G * 10 + D + with_extra)
+    work, o, m, l, extra, (S, H) = partials(rng, G=G, D=D)
+    ex = extra if with_extra else None
+    got = merge_rows(o, m, l, work, S, H, ex, interpret=True)
+    ref = pdk.merge_work(o, m, l, work, S, H, ex)
+    check(got, ref, 2e-5)
+    if not with_extra:
+        assert float(jnp.abs(got[0][2]).max()) == 0 and float(got[2][0, 1].max()) == 0
+        assert float(jnp.abs(got[0][1]).min()) > 0  # rows with items are not zeros
+
+
+def test_output_dtype_and_a_work_list_without_ranges():
+    rng = np.random.default_rng(5)
+    work, o, m, l, _, (S, H) = partials(rng)
+    out = merge_rows(o, m, l, work, S, H, out_dtype=jnp.bfloat16, interpret=True)[0]
+    ref = pdk.merge_work(o, m, l, work, S, H)[0]
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref.astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match="ranges"):
+        merge_rows(o, m, l, pdk.WorkList(work.items, work.seg, S * H), S, H, interpret=True)
+
+
+def test_launch_lowers_to_triton_for_cuda():
+    # The GPU path (masked stores of the real rows, gathers by row index) through
+    # Pallas' Triton lowering, on any machine.
+    rng = np.random.default_rng(6)
+    work, o, m, l, extra, (S, H) = partials(rng, G=3, D=64)
+    fn = lambda o: merge_rows(o, m, l, work, S, H, extra, interpret=False)  # noqa: E731
+    text = jax.jit(fn).trace(o).lower(lowering_platforms=("cuda",)).as_text()
+    assert "merge_rows" in text and "triton" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("G,D", [(3, 64), (4, 128), (8, 128)])
+def test_compiled_merge_matches_on_gpu(G, D):
+    rng = np.random.default_rng(40 + G)
+    work, o, m, l, extra, (S, H) = partials(rng, S=6, H=8, G=G, D=D, N=96)
+    for ex in (None, extra):
+        check(merge_rows(o, m, l, work, S, H, ex), pdk.merge_work(o, m, l, work, S, H, ex),
+              1e-4)
