@@ -126,7 +126,8 @@ def _merge_row(rng_ref, q_ref, kn_ref, vn_ref, o_ref, pm_ref, pl_ref, rows, grou
 
 
 def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimRule,
-            group: int, block: int, splits: int, interpret: bool, fused: bool):
+            group: int, block: int, splits: int, interpret: bool, fused: bool,
+            lane_victims: bool):
     n_t = len(caps)
     n_in = 7 if fused else 2
     stats_refs, (row_ref, pos_ref, sc_in) = refs[:n_in], refs[n_in:n_in + 3]
@@ -199,6 +200,13 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
                 plgpu.store(sc_ref.at[page, within], score, mask=owned)
             pos = pos_ref[page, within]
             key, tie, elig = rule.key_tie_eligible(t, score, pos, slot, valid, prompt_len, cur)
+            if lane_victims:  # each lane keeps its own best; one reduction after the loop
+                key = jnp.where(elig, key, jnp.inf)
+                tie, slot = jnp.where(elig, tie, BIG), jnp.where(elig, slot, BIG)
+                better = (key < bk) | ((key == bk) & ((tie < bt) | ((tie == bt) & (slot < bs))))
+                return (jnp.where(better, key, bk), jnp.where(better, tie, bt),
+                        jnp.where(better, slot, bs), jnp.where(better, pos, bp),
+                        jnp.where(better, score, bsc))
             kmin, tmin, smin = _lexmin(key, tie, slot, elig)
             pick = slot == smin
             pmin = jnp.sum(jnp.where(pick, pos, 0))
@@ -215,7 +223,15 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
         first = jnp.minimum(split * per, steps)
         init = (jnp.float32(jnp.inf), jnp.int32(BIG), jnp.int32(BIG), jnp.int32(0),
                 jnp.float32(0.0))
+        if lane_victims:
+            init = tuple(jnp.full((n,), x) for x in init)
         bk, bt, bs, bp, bsc = lax.fori_loop(first, jnp.minimum(first + per, steps), body, init)
+        if lane_victims:  # the lexicographic minimum over the lanes' own
+            kmin, tmin, smin = _lexmin(bk, bt, bs, bs < BIG)
+            pick = bs == smin
+            bk, bt, bs = kmin, tmin, smin
+            bp = jnp.sum(jnp.where(pick, bp, 0))
+            bsc = jnp.sum(jnp.where(pick, bsc, 0.0))
         ints += [bs, bt, bp]
         floats += [bk, bsc]
     # Partial victims of this split: ints (slot, tie, pos), floats (key, score) per tier.
@@ -259,7 +275,7 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
                   caps: Sequence[int], group: int, rule: VictimRule = VictimRule(),
                   block: int = 512, splits: int | None = None, num_warps: int = 4,
                   num_stages: int = 2, interpret: bool | None = None, merge: bool = True,
-                  partials: RowPartials | None = None):
+                  partials: RowPartials | None = None, lane_victims: bool = False):
     """Add this step's probabilities to the scores and find each row's victims.
 
     Args:
@@ -279,6 +295,10 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
       partials: the attention launch's partials (:class:`RowPartials`): the launch
         merges them with the token being decoded itself, one XLA chain of segment
         reductions fewer per layer; ``M`` and ``L`` are then None.
+      lane_victims: each of a block's lanes keeps its own best candidate across the
+        loop's steps, and the block's lanes are reduced once per tier after it,
+        instead of a reduction across the lanes (five of them) in every step. The
+        same victims (the lexicographic minimum of the same set).
     Returns:
       ``(scores, victims)``; ``victims`` per tier ``(slot, key, pos, score)``, each
       ``[S, H]``: the victim's slot in the row's tier (-1 when none is eligible),
@@ -332,7 +352,7 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
     kernel = functools.partial(_kernel, caps=tuple(caps),
                                widths=tuple(p.shape[-1] for p in pages), rule=rule, group=group,
                                block=block, splits=K, interpret=interpret,
-                               fused=partials is not None)
+                               fused=partials is not None, lane_victims=lane_victims)
     new_scores, vi, vf, *merged = pl.pallas_call(
         kernel, grid=(S, H, K), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         input_output_aliases={len(stats) + 2: 0}, interpret=interpret,

@@ -15,8 +15,10 @@ the caches call it (the merge inside, victims left per split for the
 token-writes launch, scores updated in place; ``--launches`` of them chained
 in one call, as a decode step runs one per layer, so the time is the
 device's, not the call's dispatch) and each ``--variants`` entry: a
-comma-separated list of ``splits``, ``block``, ``warps``, ``stages``
-(entries separated by ``;``); ``merge=0`` times the launch without the
+comma-separated list of ``splits``, ``block``, ``warps``, ``stages``, ``lanes``
+(entries separated by ``;``); ``lanes=1`` keeps each lane's best victim
+candidate across the loop and reduces the lanes once after it
+(``score_victims(..., lane_victims=True)``); ``merge=0`` times the launch without the
 attention merge (given the merged statistics the caches' launch computed: what
 the merge costs inside it). Every variant is checked against
 the caches' settings on the same inputs first (scores, the row outputs, the
@@ -36,7 +38,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SETTINGS = {"splits": "splits", "block": "block", "warps": "num_warps", "stages": "num_stages",
-            "merge": "merge"}
+            "merge": "merge", "lanes": "lane_victims"}
 
 
 def parse_variant(spec: str) -> dict:

@@ -20,10 +20,11 @@ def run_script(name, *args):
 def test_policy_launch_benchmark_checks_its_variants(tmp_path):
     out = tmp_path / "policy.json"
     run_script("bench_policy_launch.py", "--slots", "6", "--active", "3", "--max-len", "200",
-               "--launches", "2", "--reps", "1", "--variants", "block=256;splits=2;merge=0",
-               "--json", str(out))
+               "--launches", "2", "--reps", "1",
+               "--variants", "block=256;splits=2;merge=0;lanes=1,block=64", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
-    assert [r["variant"] for r in rows] == ["caches", "block=256", "splits=2", "merge=0"]
+    assert [r["variant"] for r in rows] == ["caches", "block=256", "splits=2", "merge=0",
+                                            "lanes=1,block=64"]
     for r in rows:  # the same scores, outputs and victims as the caches' settings
         assert r["victims_agree"] == 1.0 and r["max_diff"] < 1e-5 and r["ms"] > 0
 

@@ -34,14 +34,16 @@ def case(rng, caps=(8, 16), S=3, H=2, W=(3, 2), G=3, P=30, slots=16):
     return logits, probs, M, L, pages, n_tok, cur, plen, scores, positions
 
 
-def kernel_and_reference(rng, rule, caps, interpret, splits=None, block=512, **case_args):
+def kernel_and_reference(rng, rule, caps, interpret, splits=None, block=512,
+                         lane_victims=False, **case_args):
     """The kernel's and the reference's ``(scores, victims)`` on one random case (one
     tier for the eviction rules, which keep one), and the scores before."""
     logits, probs, M, L, pages, n_tok, cur, plen, scores, positions = case(rng, caps, **case_args)
     if rule.rule != "diffkv":
         logits, probs, pages, n_tok, caps = logits[:1], probs[:1], pages[:1], n_tok[:1], caps[:1]
     got = score_victims(logits, M, L, pages, n_tok, cur, plen, scores, positions, caps=caps,
-                        group=3, rule=rule, interpret=interpret, splits=splits, block=block)
+                        group=3, rule=rule, interpret=interpret, splits=splits, block=block,
+                        lane_victims=lane_victims)
     ref = score_victims_reference(probs, pages, n_tok, cur, plen, scores, positions, caps=caps,
                                   rule=rule)
     return got, ref, scores
@@ -51,13 +53,17 @@ def kernel_and_reference(rng, rule, caps, interpret, splits=None, block=512, **c
                                   VictimRule("diffkv", window=8, obs_window=None),
                                   VictimRule("h2o", window=50), VictimRule("streamingllm", sinks=40),
                                   VictimRule("snapkv")])
-@pytest.mark.parametrize("splits,block", [(1, 512), (3, 16)])
-def test_kernel_matches_reference(rule, splits, block):
-    # splits x block: one program per row walking it at once, or three programs per
-    # row walking 16 tokens per step (their victims merged after the launch).
+@pytest.mark.parametrize("splits,block", [(1, 512), (3, 16), (1, 16)])
+@pytest.mark.parametrize("lanes", [False, True], ids=["per-step", "lane-victims"])
+def test_kernel_matches_reference(rule, splits, block, lanes):
+    # splits x block: one program per row walking it at once, three programs per row
+    # walking 16 tokens per step (their victims merged after the launch), or one
+    # walking 16 per step (two steps per tier). lanes: the victim search reduced
+    # across the block's lanes in every step, or each lane keeping its own best
+    # and one reduction after the loop.
     rng = np.random.default_rng(hash(rule.rule) % 1000 + rule.window + splits)
-    (got_s, got_v), (ref_s, ref_v), scores = kernel_and_reference(rng, rule, (8, 16), True,
-                                                                  splits=splits, block=block)
+    (got_s, got_v), (ref_s, ref_v), scores = kernel_and_reference(
+        rng, rule, (8, 16), True, splits=splits, block=block, lane_victims=lanes)
     np.testing.assert_allclose(got_s, ref_s, rtol=1e-6, atol=1e-6)
     assert not np.array_equal(np.asarray(got_s), np.asarray(scores))  # something was added
     for g, r in zip(got_v, ref_v):
@@ -133,11 +139,12 @@ def test_columns_naming_no_page_give_the_same_scores_and_victims(interpret):
 @pytest.mark.parametrize("rule", [VictimRule("diffkv", window=100), VictimRule("h2o", window=50),
                                   VictimRule("streamingllm", sinks=40)])
 @pytest.mark.parametrize("block", [512, 32])
-def test_compiled_kernel_matches_reference_on_gpu(rule, block):
+@pytest.mark.parametrize("lanes", [False, True], ids=["per-step", "lane-victims"])
+def test_compiled_kernel_matches_reference_on_gpu(rule, block, lanes):
     rng = np.random.default_rng(11)
     (got_s, got_v), (ref_s, ref_v), _ = kernel_and_reference(rng, rule, (32, 64), False,
                                                              block=block, W=(3, 2), P=40,
-                                                             slots=64)
+                                                             slots=64, lane_victims=lanes)
     # exp2 on the GPU is approximate (a few ulps): scores within 1e-5, victims equal
     # unless two keys are that close.
     np.testing.assert_allclose(got_s, ref_s, rtol=1e-5, atol=1e-6)
@@ -233,8 +240,9 @@ def test_compiled_merge_inside_the_policy_launch_matches_on_gpu():
     check_fused(got, ref, 1e-4)
 
 
+@pytest.mark.parametrize("lanes", [False, True], ids=["per-step", "lane-victims"])
 @pytest.mark.parametrize("fused", [False, True], ids=["scores", "scores+merge"])
-def test_launch_lowers_to_triton_for_cuda(fused):
+def test_launch_lowers_to_triton_for_cuda(fused, lanes):
     # The GPU code path (masked stores, gathers by row index, dynamic loops) goes
     # through Pallas' Triton lowering on any machine: a lowering error shows here
     # before a GPU run.
@@ -254,7 +262,7 @@ def test_launch_lowers_to_triton_for_cuda(fused):
 
     def launch(lg, sc):
         return score_victims(lg, M, L, pages, n_tok, cur, plen, sc, positions, caps=(32, 64),
-                             group=3, interpret=False, partials=parts)
+                             group=3, interpret=False, partials=parts, lane_victims=lanes)
 
     text = jax.jit(launch).trace(logits, scores).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("policy_scores") >= 1 and "triton" in text
