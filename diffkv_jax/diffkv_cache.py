@@ -147,6 +147,10 @@ class DiffKVCache(SlotAccounting):
     # "auto": "tokens" where the kernels run compiled on a GPU (7 - 15% less time
     # per launch on the H200 at 12 - 128 rows), "queries" otherwise.
     kernel_tiles: str = "auto"
+    # The policy launch's victim search (pallas_kernels/policy_scores.py): reduced
+    # across a block's lanes in every step of the walk (False) or kept per lane and
+    # reduced once after it (True: no barrier in the loop; the same victims).
+    lane_victims: bool = False
 
     name = "diffkv"
 

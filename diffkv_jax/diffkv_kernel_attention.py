@@ -226,7 +226,7 @@ def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: i
     scores, victims, *merged = score_victims(
         logits, M, L, pages, n_tok, state.seq_len[:S], state.prompt_len[:S], state.scores,
         state.positions, caps=caps, group=G, rule=pol.victim_rule(method.policy),
-        merge=not in_kernel, partials=partials)
+        merge=not in_kernel, partials=partials, lane_victims=method.lane_victims)
     if fused:
         out, _, _, p_new = merged[0]
         out = out.reshape(S, nq, D)

@@ -10,6 +10,7 @@
 #   bash scripts/h200_figures.sh attention    # the decode-attention grid
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
+#   bash scripts/h200_figures.sh policy       # the policy launch: its floor, the lane victim search
 #   bash scripts/h200_figures.sh scoring      # prompt scoring (jnp, kernel) vs prefill attention
 #   bash scripts/h200_figures.sh allocation   # a decode step's page allocation
 #
@@ -48,6 +49,9 @@ case "${1:-}" in
     python scripts/bench_attention.py --json "$OUT/bench_attention.json" ;;
   ragged)
     python scripts/bench_ragged_attention.py --json "$OUT/bench_ragged_attention.json" ;;
+  policy)
+    python scripts/bench_policy_launch.py --active 1,12,46 --variants "lanes=1;merge=0;splits=8" \
+      --json "$OUT/bench_policy_launch.json" ;;
   parts)
     python scripts/bench_launch_parts.py --json "$OUT/bench_launch_parts.json" ;;
   scoring)
@@ -56,6 +60,6 @@ case "${1:-}" in
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|ragged|parts|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac

@@ -216,6 +216,24 @@ def test_token_tiles_serve_the_same_tokens(tiny_model, compiled):
         dataclasses.replace(queries, kernel_tiles="columns")
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
+                         ids=["here", "gpu"])
+def test_lane_victims_serve_the_same_tokens(tiny_model, compiled):
+    # lane_victims: the policy launch keeps each lane's best victim candidate and
+    # reduces the lanes once after its walk. The same victims, so the same state.
+    cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=14)
+    steps = make_method("diffkv", cfg, max_seqs=2, max_context=128,
+                        page_size=16 if compiled else 8, window=8, attention_impl="pallas",
+                        alpha_high=1.0, alpha_low=0.05)
+    lanes = dataclasses.replace(steps, lane_victims=True)
+    runs = [_serve(cfg, params, m, prompts, max_new=40, steps=30) for m in (steps, lanes)]
+    assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
+    assert runs[0][2]["frac_low"] > 0
+    np.testing.assert_array_equal(runs[1][1], runs[0][1])
+    assert make_method("diffkv", cfg, max_seqs=2, max_context=128,
+                       lane_victims=True).lane_victims
+
+
 @pytest.mark.parametrize("rule", ["h2o", "streamingllm"])
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
                          ids=["here", "gpu"])
