@@ -7,6 +7,7 @@ installed) for sm_90 to read the resource report, disassemble it and count the
 instructions of each tier's page loop per token, keeping TTGIR / PTX / cubin:
 
     python scripts/kernel_resources.py --tiers 8-4-32,8-4-32+4-2-64 --warps 1,2
+    python scripts/kernel_resources.py --policy      # the policy launch's loops instead
 
 The ``triton`` package's compiler is close to, not the same as, the one inside
 XLA, so treat the numbers as a guide. Occupancy follows from 65,536 registers
@@ -77,6 +78,26 @@ def triton_ir(fn, *args) -> str:
     return text[text.index(MARK):].split("\n", 1)[1]  # strip_locations cuts the module out
 
 
+def compile_sass(triton, ir_path: str, out_dir: str, name: str, warps: int, stages: int):
+    """Compile a TTIR file for sm_90 with the ``triton`` package, keep TTGIR / PTX /
+    cubin beside it; ``(registers, spill bytes, shared bytes, SASS text)``."""
+    from triton.backends.compiler import GPUTarget
+
+    k = triton.compile(ir_path, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages))
+    for ext in ("ttgir", "ptx"):
+        with open(os.path.join(out_dir, f"{name}.{ext}"), "w") as fh:
+            fh.write(k.asm[ext])
+    regs, spills = ptxas_report(triton, os.path.join(out_dir, f"{name}.ptx"))
+    cubin = os.path.join(out_dir, f"{name}.cubin")
+    with open(cubin, "wb") as fh:
+        fh.write(k.asm["cubin"])
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                            "nvdisasm")
+    sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
+    return regs, spills, k.metadata.shared, sass
+
+
 def loop_bodies(sass: str) -> list[list[str]]:
     """The instructions of each loop of a SASS listing (a backward branch closes a loop)."""
     labels, cur, instrs = {}, None, []
@@ -126,6 +147,12 @@ def main() -> int:
                         "rows, the query rows padded to 8)")
     p.add_argument("--padded-q", action="store_true",
                    help="q padded to 16 rows in memory (the launches before padded_rows)")
+    p.add_argument("--policy", action="store_true",
+                   help="the policy launch instead (pallas_kernels/policy_scores.py, with the "
+                        "attention merge inside, Llama3-8B shapes): its loops' instructions, "
+                        "barriers and shuffles per step, for each --lane-victims value")
+    p.add_argument("--lane-victims", default="0,1",
+                   help="with --policy: score_victims' lane_victims values")
     p.add_argument("--out", default="results/ttir")
     p.add_argument("--opcodes", type=int, default=0, help="also print each loop's N most "
                    "common opcodes (static counts: a rarely taken branch, such as the lazy "
@@ -139,10 +166,11 @@ def main() -> int:
 
     try:
         import triton
-        from triton.backends.compiler import GPUTarget
     except ImportError:
         triton = None
     os.makedirs(args.out, exist_ok=True)
+    if args.policy:
+        return policy_report(args, triton)
     D, G = args.head_dim, args.group
     print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
           f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
@@ -190,24 +218,12 @@ def main() -> int:
             print(line + "  (no triton package: TTIR written only)")
             continue
         try:
-            k = triton.compile(path, target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=warps, num_stages=stages))
+            regs, spills, smem, sass = compile_sass(triton, path, args.out, name, warps, stages)
         except Exception as e:  # keep going: report which IR the package rejects
             print(line + f"  compile failed: {str(e).splitlines()[0][:100]}")
             continue
-        for ext in ("ttgir", "ptx"):
-            with open(os.path.join(args.out, f"{name}.{ext}"), "w") as fh:
-                fh.write(k.asm[ext])
-        regs, spills = ptxas_report(triton, os.path.join(args.out, f"{name}.ptx"))
-        cubin = os.path.join(args.out, f"{name}.cubin")
-        with open(cubin, "wb") as fh:
-            fh.write(k.asm["cubin"])
-        nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                                "nvdisasm")
-        sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
         bodies = loop_bodies(sass)
         per_token = [f"{len(b) * warps / c:.1f}" for b, c in zip(bodies, caps)]
-        smem = k.metadata.shared
         blocks = min(65536 // max(1, regs * 32 * warps), 232448 // max(1, smem + 1024), 32)
         print(line + f" {regs:5d} {spills:7d} {smem:7d} {blocks:9d}  {', '.join(per_token)}",
               flush=True)
@@ -215,6 +231,51 @@ def main() -> int:
             top = opcode_counts(body).most_common(args.opcodes)
             print(f"    loop of {len(body)} instructions per {cap}-token step: "
                   + " ".join(f"{op} {n}" for op, n in top))
+    return 0
+
+
+def policy_report(args, triton) -> int:
+    """``--policy``: the fused policy launch as the DiffKV cache runs it on the GPU
+    (K8V4 pages of 32 slots, K4V2 of 64, group 4, head dim 128, 4 warps, blocks of
+    512 tokens), per ``--lane-victims`` value: registers, and for each loop of the
+    kernel its instructions, barriers (BAR) and shuffles (SHFL) per iteration."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.policy_scores import RowPartials, score_victims
+
+    S, H, G, D, caps, widths, P, N = 8, 8, 4, 128, (32, 64), (40, 10), 4096, 256
+    i32, f32, bf16 = jnp.int32, jnp.float32, jnp.bfloat16
+    sds = jax.ShapeDtypeStruct
+    logits = [sds((S, H, G, w * c), f32) for w, c in zip(widths, caps)]
+    pages = [sds((S, H, w), i32) for w in widths]
+    n_tok = [sds((S, H), i32)] * 2
+    row = sds((S,), i32)
+    side = (sds((P, caps[1]), f32), sds((P, caps[1]), i32))  # scores, positions
+    parts = (sds((N, 16, D), f32), sds((N, 16), f32), sds((N, 16), f32), sds((S, H, 2), i32),
+             sds((S, H, G, D), bf16), sds((S, H, D), bf16), sds((S, H, D), bf16))
+    print(f"{'lane_victims':12s} {'regs':>5s} {'spill B':>7s}  loops: instructions / BAR / "
+          "SHFL per iteration")
+    for lanes in (bool(int(x)) for x in args.lane_victims.split(",")):
+        def launch(logits, pages, n_tok, cur, plen, scores, positions, parts, lanes=lanes):
+            return score_victims(logits, None, None, pages, n_tok, cur, plen, scores, positions,
+                                 caps=caps, group=G, interpret=False, merge=False,
+                                 partials=RowPartials(*parts), lane_victims=lanes)
+
+        name = f"policy_scores_lanes{int(lanes)}"
+        path = os.path.join(args.out, name + ".ttir")
+        with open(path, "w") as fh:
+            fh.write(strip_locations(triton_ir(jax.jit(launch), logits, pages, n_tok, row, row,
+                                               *side, parts)))
+        if triton is None:
+            print(f"{str(lanes):12s}  (no triton package: TTIR written only)")
+            continue
+        regs, spills, _, sass = compile_sass(triton, path, args.out, name, 4, 2)
+        loops = []
+        for body in loop_bodies(sass):
+            ops = opcode_counts(body)
+            loops.append(f"{len(body)} / {ops.get('BAR', 0)} / {ops.get('SHFL', 0)}")
+        print(f"{str(lanes):12s} {regs:5d} {spills:7d}  " + ", ".join(loops), flush=True)
     return 0
 
 

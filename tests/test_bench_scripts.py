@@ -127,3 +127,14 @@ def test_throughput_runs_compare_over_the_window_they_share(tmp_path):
     assert "first 10.0 s" in out
     falling_row = [ln for ln in out.splitlines() if ln.startswith("falling")][0]
     assert "2.00x" in falling_row and "15" in falling_row.split()[-1]
+
+
+def test_kernel_resources_writes_the_policy_launch_ir(tmp_path):
+    # The policy launch lowered through Pallas' Triton lowering for sm_90 on any
+    # machine, once per lane_victims value (compiled only where the triton package is).
+    out = run_script("kernel_resources.py", "--policy", "--lane-victims", "0,1",
+                     "--out", str(tmp_path))
+    assert "lane_victims" in out
+    for lanes in (0, 1):
+        ir = (tmp_path / f"policy_scores_lanes{lanes}.ttir").read_text()
+        assert "tt.func" in ir and "scf.for" in ir
