@@ -144,7 +144,7 @@ class DiffKVCache(SlotAccounting):
     # (the query rows are the tile's rows, padded to 16 on the GPU) or "tokens" (a
     # page's tokens are the rows and the queries the columns, padded to 8:
     # LaunchConfig.transposed, fewer registers and instructions per token), or
-    # "auto": "tokens" where the kernels run compiled on a GPU (7 - 15% less time
+    # "auto": "tokens" where the kernels run compiled on a GPU (3 - 15% less time
     # per launch on the H200 at 12 - 128 rows), "queries" otherwise.
     kernel_tiles: str = "auto"
     # The policy launch's victim search (pallas_kernels/policy_scores.py): reduced
