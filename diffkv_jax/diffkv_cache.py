@@ -189,12 +189,17 @@ class DiffKVCache(SlotAccounting):
                              "tokens fill a page exactly (e.g. K8V4 with K4V2)")
 
     @property
+    def _kernels_compiled(self) -> bool:
+        """The kernel path on a GPU, where the "auto" settings choose the launches."""
+        from pallas_kernels import backend
+        return backend.runs_compiled(self.attention_impl)
+
+    @property
     def fused_writes(self) -> bool:
         """Whether decode writes its tokens with the token-writes kernel."""
         if self.write_impl == "auto":
-            from pallas_kernels import backend
-            return (self.attention_impl == "pallas" and self.policy.low_tier
-                    and backend.on_gpu() and tw.quarters_fit(self.head_dim))
+            return (self._kernels_compiled and self.policy.low_tier
+                    and tw.quarters_fit(self.head_dim))
         return self.write_impl == "pallas"
 
     @property
@@ -202,8 +207,7 @@ class DiffKVCache(SlotAccounting):
         """Whether the decode kernel takes its dots with a page's tokens as the tiles'
         rows (``LaunchConfig.transposed``)."""
         if self.kernel_tiles == "auto":
-            from pallas_kernels import backend
-            return self.attention_impl == "pallas" and backend.on_gpu()
+            return self._kernels_compiled
         return self.kernel_tiles == "tokens"
 
     @property
@@ -216,25 +220,21 @@ class DiffKVCache(SlotAccounting):
         """Whether the policy launch merges the attention launch's partials itself
         (``merge_impl="pallas"``) instead of XLA's segment reductions."""
         if self.merge_impl == "auto":
-            from pallas_kernels import backend
-            return self.attention_impl == "pallas" and backend.on_gpu()
+            return self._kernels_compiled
         return self.merge_impl == "pallas"
 
     @property
     def decides_in_kernel(self) -> bool:
         """Whether decode takes its decision inside the token-writes launch."""
         if self.decide_impl == "auto":
-            from pallas_kernels import backend
-            return self._decision_fits_kernel and self.fused_writes and backend.on_gpu()
+            return self._decision_fits_kernel and self.fused_writes and self._kernels_compiled
         return self.decide_impl == "pallas"
 
     @property
     def window_kernel(self) -> bool:
         """Whether prefill scores its observation window with the Pallas kernel: on
         the GPU kernel path (in interpret mode it would only be slower)."""
-        from pallas_kernels import backend
-
-        return self.attention_impl == "pallas" and backend.on_gpu()
+        return self._kernels_compiled
 
     # ---- geometry ---------------------------------------------------------------
     @property

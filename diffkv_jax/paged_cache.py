@@ -148,7 +148,7 @@ class FullCache(SlotPages):
         """Whether the kernel path merges its work items with one Pallas launch."""
         if self.merge_impl == "auto":
             from pallas_kernels import backend
-            return self.attention_impl == "pallas" and backend.on_gpu()
+            return backend.runs_compiled(self.attention_impl)
         return self.merge_impl == "pallas"
 
     # ---- geometry -------------------------------------------------------------

@@ -24,6 +24,12 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def runs_compiled(attention_impl: str) -> bool:
+    """Whether a cache with this ``attention_impl`` runs the Pallas kernels compiled
+    (the kernel path on a GPU): what the caches' "auto" settings choose by."""
+    return attention_impl == "pallas" and on_gpu()
+
+
 def default_interpret() -> bool:
     """Interpret mode unless a GPU is present."""
     return not on_gpu()

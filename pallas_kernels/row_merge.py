@@ -39,25 +39,22 @@ def _kernel(*refs, group: int, with_extra: bool, interpret: bool):
     dcol = lax.broadcasted_iota(jnp.int32, (D,), 0)
     first, count = rng_ref[0], rng_ref[1]
 
-    def item(j, carry):
+    def combine(carry, o_src, m_src, l_src, at=()):
+        """The running ``(max, sum, output)`` with one more source's rows."""
         mx, lx, ox = carry
-        w = first + j
-        mi, li = m_ref[w, rows], l_ref[w, rows]
-        oi = o_ref[w, rows[:, None], dcol[None, :]].astype(jnp.float32)
+        mi, li = m_src[(*at, rows)], l_src[(*at, rows)]
+        oi = o_src[(*at, rows[:, None], dcol[None, :])].astype(jnp.float32)
         mn = jnp.maximum(mx, mi)
         a, b = jnp.exp(mx - mn), jnp.exp(mi - mn)
         return mn, lx * a + li * b, ox * a[:, None] + oi * b[:, None]
 
     init = (jnp.full((Gq,), NEG_INF, jnp.float32), jnp.zeros((Gq,), jnp.float32),
             jnp.zeros((Gq, D), jnp.float32))
-    mx, lx, ox = lax.fori_loop(0, count, item, init)
+    carry = lax.fori_loop(0, count, lambda j, c: combine(c, o_ref, m_ref, l_ref, (first + j,)),
+                          init)
     if with_extra:
-        eo_ref, em_ref, el_ref = extra_refs
-        me, le = em_ref[rows], el_ref[rows]
-        oe = eo_ref[rows[:, None], dcol[None, :]].astype(jnp.float32)
-        mn = jnp.maximum(mx, me)
-        a, b = jnp.exp(mx - mn), jnp.exp(me - mn)
-        mx, lx, ox = mn, lx * a + le * b, ox * a[:, None] + oe * b[:, None]
+        carry = combine(carry, *extra_refs)
+    mx, lx, ox = carry
     # Rows without items (or extra) come out as zeros, as merge_work leaves them.
     out = ox / jnp.where(lx > 0, lx, 1.0)[:, None]
     if interpret:

@@ -158,7 +158,8 @@ def test_full_cache_rejects_unknown_attention_impl():
 
 
 def _serve(cfg, params, method, prompts, max_new: int, steps: int):
-    """``steps`` engine steps over ``prompts``: (outputs, scores, memory stats)."""
+    """``steps`` engine steps over ``prompts``: (outputs, scores or None where the
+    cache keeps none, memory stats)."""
     from diffkv_jax.engine import Engine
     from diffkv_jax.generation import SamplingParams
 
@@ -166,8 +167,17 @@ def _serve(cfg, params, method, prompts, max_new: int, steps: int):
     ids = [eng.add_request(p, SamplingParams(max_new_tokens=max_new)) for p in prompts]
     for _ in range(steps):
         eng.step()
-    return ([eng.requests[i].output for i in ids], np.asarray(eng.state.scores),
-            method.memory_stats(eng.state))
+    scores = getattr(eng.state, "scores", None)
+    return ([eng.requests[i].output for i in ids],
+            None if scores is None else np.asarray(scores), method.memory_stats(eng.state))
+
+
+def _serve_both(cfg, params, prompts, methods):
+    """:func:`_serve` (40 new tokens, 30 steps) with each of two methods, after
+    checking that both give the same greedy tokens, more than 20 of them."""
+    runs = [_serve(cfg, params, m, prompts, max_new=40, steps=30) for m in methods]
+    assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
+    return runs
 
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
@@ -184,8 +194,7 @@ def test_merge_in_the_policy_launch_serves_the_same_tokens(tiny_model, compiled)
     assert fused.merges_in_policy and not xla.merges_in_policy
     # The default merges in the policy launch where the kernels run compiled.
     assert dataclasses.replace(xla, merge_impl="auto").merges_in_policy == compiled
-    runs = [_serve(cfg, params, m, prompts, max_new=40, steps=30) for m in (xla, fused)]
-    assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
+    runs = _serve_both(cfg, params, prompts, (xla, fused))
     assert runs[0][2]["frac_low"] > 0
     np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="merge_impl"):
@@ -207,8 +216,7 @@ def test_token_tiles_serve_the_same_tokens(tiny_model, compiled):
     assert dataclasses.replace(queries, kernel_tiles="auto").token_tiles == compiled
     assert not dataclasses.replace(tokens, attention_impl="reference",
                                    kernel_tiles="auto").token_tiles
-    runs = [_serve(cfg, params, m, prompts, max_new=40, steps=30) for m in (queries, tokens)]
-    assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
+    runs = _serve_both(cfg, params, prompts, (queries, tokens))
     assert runs[0][2]["frac_low"] > 0
     assert abs(runs[0][2]["frac_low"] - runs[1][2]["frac_low"]) < 0.02
     np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=2e-3, atol=1e-4)
@@ -226,8 +234,7 @@ def test_lane_victims_serve_the_same_tokens(tiny_model, compiled):
                         page_size=16 if compiled else 8, window=8, attention_impl="pallas",
                         alpha_high=1.0, alpha_low=0.05)
     lanes = dataclasses.replace(steps, lane_victims=True)
-    runs = [_serve(cfg, params, m, prompts, max_new=40, steps=30) for m in (steps, lanes)]
-    assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
+    runs = _serve_both(cfg, params, prompts, (steps, lanes))
     assert runs[0][2]["frac_low"] > 0
     np.testing.assert_array_equal(runs[1][1], runs[0][1])
     assert make_method("diffkv", cfg, max_seqs=2, max_context=128,
@@ -304,14 +311,4 @@ def test_full_cache_merge_launch_serves_the_same_tokens_on_gpu(tiny_model):
                       attention_impl="pallas", merge_impl="xla")
     launch = dataclasses.replace(xla, merge_impl="auto")
     assert launch.merges_in_launch and not xla.merges_in_launch
-    from diffkv_jax.engine import Engine
-    from diffkv_jax.generation import SamplingParams
-
-    runs = []
-    for m in (xla, launch):
-        eng = Engine(cfg, params, m, num_pages=2 * m.pages_for_tokens(128) + 64)
-        ids = [eng.add_request(p, SamplingParams(max_new_tokens=40)) for p in prompts]
-        for _ in range(30):
-            eng.step()
-        runs.append([eng.requests[i].output for i in ids])
-    assert runs[0] == runs[1] and len(runs[0][0]) > 20
+    _serve_both(cfg, params, prompts, (xla, launch))
