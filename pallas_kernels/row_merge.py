@@ -7,8 +7,12 @@ output, its softmax max and normalizer); a row's items must be merged
 (:func:`~pallas_kernels.paged_decode.merge_work`) that is a segment max, two
 segment sums over scatters and the divisions: several small kernels per layer.
 Here one program per (sequence, KV head) row walks the row's consecutive
-items once (``WorkList.ranges``), rescaling its running sums at each new
-maximum, and writes the row's output and statistics: one launch per layer.
+items (``WorkList.ranges``) a block of ``items_per_step`` at a time: each step
+loads the block's statistics and outputs together, folds them with their own
+maximum and rescales the running sums once, then the program writes the row's
+output and statistics: one launch per layer. Walking item by item made the
+walk a chain of dependent loads, which is what a batch of few long rows
+costs (a few rows hold every item of the step's work list).
 
 :func:`~pallas_kernels.paged_decode.merge_work` is the reference it is tested
 against (same results up to summation order).
@@ -27,33 +31,46 @@ from pallas_kernels import backend
 from pallas_kernels.paged_decode import NEG_INF, WorkList
 
 
-def _kernel(*refs, group: int, with_extra: bool, interpret: bool):
+def _kernel(*refs, group: int, items_per_step: int, with_extra: bool, interpret: bool):
     rng_ref, o_ref, m_ref, l_ref = refs[:4]
     extra_refs = refs[4:7] if with_extra else ()
     out_ref, M_ref, L_ref = refs[4 + len(extra_refs):]
-    D = o_ref.shape[-1]
+    N, D = o_ref.shape[0], o_ref.shape[-1]
     # The GPU loads power-of-two shapes: rows past the group repeat the last real
     # row, and only the real rows are stored.
     Gq = group if interpret else pl.next_power_of_2(group)
     rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (Gq,), 0), group - 1)
     dcol = lax.broadcasted_iota(jnp.int32, (D,), 0)
+    lane = lax.broadcasted_iota(jnp.int32, (items_per_step,), 0)
     first, count = rng_ref[0], rng_ref[1]
 
-    def combine(carry, o_src, m_src, l_src, at=()):
-        """The running ``(max, sum, output)`` with one more source's rows."""
+    def combine(carry, mi, li, oi, live):
+        """The running ``(max, sum, output)`` with a block of sources ``[I, Gq(, D)]``;
+        ``live [I]`` masks the block's lanes past the row's items."""
         mx, lx, ox = carry
-        mi, li = m_src[(*at, rows)], l_src[(*at, rows)]
-        oi = o_src[(*at, rows[:, None], dcol[None, :])].astype(jnp.float32)
-        mn = jnp.maximum(mx, mi)
-        a, b = jnp.exp(mx - mn), jnp.exp(mi - mn)
-        return mn, lx * a + li * b, ox * a[:, None] + oi * b[:, None]
+        mi = jnp.where(live[:, None], mi, NEG_INF)
+        mn = jnp.maximum(mx, jnp.max(mi, axis=0))
+        a = jnp.exp(mx - mn)
+        b = jnp.where(live[:, None], jnp.exp(mi - mn[None, :]), 0.0)
+        return (mn, lx * a + jnp.sum(b * li, axis=0),
+                ox * a[:, None] + jnp.sum(b[:, :, None] * oi.astype(jnp.float32), axis=0))
+
+    def step(j, carry):
+        pos = j * items_per_step + lane
+        live = pos < count
+        item = jnp.minimum(first + pos, N - 1)  # lanes past the row read a real item
+        mi = m_ref[item[:, None], rows[None, :]]
+        li = l_ref[item[:, None], rows[None, :]]
+        oi = o_ref[item[:, None, None], rows[None, :, None], dcol[None, None, :]]
+        return combine(carry, mi, li, oi, live)
 
     init = (jnp.full((Gq,), NEG_INF, jnp.float32), jnp.zeros((Gq,), jnp.float32),
             jnp.zeros((Gq, D), jnp.float32))
-    carry = lax.fori_loop(0, count, lambda j, c: combine(c, o_ref, m_ref, l_ref, (first + j,)),
-                          init)
+    carry = lax.fori_loop(0, (count + items_per_step - 1) // items_per_step, step, init)
     if with_extra:
-        carry = combine(carry, *extra_refs)
+        eo, em, el = extra_refs
+        carry = combine(carry, em[rows][None], el[rows][None],
+                        eo[rows[:, None], dcol[None, :]][None], jnp.ones((1,), jnp.bool_))
     mx, lx, ox = carry
     # Rows without items (or extra) come out as zeros, as merge_work leaves them.
     out = ox / jnp.where(lx > 0, lx, 1.0)[:, None]
@@ -72,7 +89,8 @@ def _kernel(*refs, group: int, with_extra: bool, interpret: bool):
 
 
 def merge_rows(o, m, l, work: WorkList, S: int, H: int, extra=None, *,
-               out_dtype=jnp.float32, num_warps: int = 4, interpret: bool | None = None):
+               out_dtype=jnp.float32, items_per_step: int = 8, num_warps: int = 4,
+               interpret: bool | None = None):
     """Exact per-row merge of a work list's items, as one launch.
 
     Args:
@@ -82,6 +100,7 @@ def merge_rows(o, m, l, work: WorkList, S: int, H: int, extra=None, *,
       extra: optional ``(o [S,H,G,D], m [S,H,G], l [S,H,G])`` for one more source
         (e.g. the token being decoded, with ``l = 1``).
       out_dtype: dtype of ``out`` (float32, or the model's, saving a conversion).
+      items_per_step: items a program loads and folds together (a power of two).
     Returns:
       ``(out [S,H,G,D], M [S,H,G], L [S,H,G])`` as
       :func:`~pallas_kernels.paged_decode.merge_work`.
@@ -104,8 +123,10 @@ def merge_rows(o, m, l, work: WorkList, S: int, H: int, extra=None, *,
     out_shape = [jax.ShapeDtypeStruct((S, H, G, D), out_dtype),
                  jax.ShapeDtypeStruct((S, H, G), jnp.float32),
                  jax.ShapeDtypeStruct((S, H, G), jnp.float32)]
-    kernel = functools.partial(_kernel, group=G, with_extra=extra is not None,
-                               interpret=interpret)
+    if items_per_step < 1 or items_per_step & (items_per_step - 1):
+        raise ValueError(f"items_per_step must be a power of two, got {items_per_step}")
+    kernel = functools.partial(_kernel, group=G, items_per_step=items_per_step,
+                               with_extra=extra is not None, interpret=interpret)
     return tuple(pl.pallas_call(
         kernel, grid=(S, H), in_specs=specs, out_specs=[per_row(x) for x in out_shape],
         out_shape=out_shape, interpret=interpret,

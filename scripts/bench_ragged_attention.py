@@ -19,12 +19,16 @@ emitted). Llama3-8B head shapes.
 ``--variants`` times other settings of the work launch on the same rows, each
 a comma-separated list of ``warps``, ``stages``, ``lanes``, ``tokens`` (1: a
 page's tokens as the dot tiles' rows, ``LaunchConfig.transposed``, queries
-padded to 8), ``items``, ``min_pages`` (variants separated by ``;``), e.g. to
-tune the launch where the engine runs it:
+padded to 8), ``items``, ``min_pages``, ``merge`` (0: XLA's segment reductions,
+``merge_work``, as the ``work`` launch; n: the one-launch merge,
+``row_merge.merge_rows``, folding n items per step) (variants separated by
+``;``), e.g. to tune the launch where the engine runs it:
 
     python scripts/bench_ragged_attention.py --slots 128 --active 14,24,45,64
     python scripts/bench_ragged_attention.py --methods diffkv --active 45,64 --splits 1 \
         --variants "lanes=1;warps=2;stages=4;warps=2,stages=2;min_pages=8"
+    python scripts/bench_ragged_attention.py --methods bf16 --splits 1 --active 6,22,46 \
+        --variants "merge=1;merge=8;merge=16"
 """
 
 import dataclasses
@@ -66,6 +70,7 @@ def main() -> int:
 
     from diffkv_jax.diffkv_kernel_attention import _launch, work_items
     from pallas_kernels import paged_decode as pdk
+    from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import time_launch_ms
 
     def timed(fn, q, *rest):
@@ -77,9 +82,10 @@ def main() -> int:
     fields = {"warps": "num_warps", "stages": "num_stages", "lanes": "page_lanes",
               "tokens": "transposed"}
 
-    def variant(spec: str) -> tuple[dict, int | None, int]:
-        """``(LaunchConfig changes, items or None, min_pages)`` of one --variants entry."""
-        changes, items, min_pages = {}, None, args.min_pages
+    def variant(spec: str) -> tuple[dict, int | None, int, int]:
+        """``(LaunchConfig changes, items or None, min_pages, merge)`` of one --variants
+        entry."""
+        changes, items, min_pages, merge = {}, None, args.min_pages, 0
         for part in filter(None, spec.split(",")):
             key, _, value = part.partition("=")
             if key in fields:
@@ -88,9 +94,11 @@ def main() -> int:
                 items = int(value)
             elif key == "min_pages":
                 min_pages = int(value)
+            elif key == "merge":
+                merge = int(value)
             else:
                 raise SystemExit(f"unknown variant setting {key!r} in {spec!r}")
-        return changes, items, min_pages
+        return changes, items, min_pages, merge
 
     variants = [(spec, *variant(spec)) for spec in filter(None, args.variants.split(";"))]
 
@@ -148,21 +156,24 @@ def main() -> int:
             # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
             lane_dim = D if method == "diffkv" else 0
             cfg = _launch(emit, lane_dim)
-            launches = [("work", cfg, work_items(S, H), args.min_pages)]
-            launches += [(f"work-{n}", cfg, n, args.min_pages)
+            launches = [("work", cfg, work_items(S, H), args.min_pages, 0)]
+            launches += [(f"work-{n}", cfg, n, args.min_pages, 0)
                          for n in (int(n) for n in args.items.split(",") if n)]
             launches += [(spec, dataclasses.replace(cfg, **changes),
-                          items or work_items(S, H), mp)
-                         for spec, changes, items, mp in variants]
-            for name, lcfg, n_items, min_pages in launches:
+                          items or work_items(S, H), mp, merge)
+                         for spec, changes, items, mp, merge in variants]
+            for name, lcfg, n_items, min_pages, merge in launches:
 
                 @jax.jit
-                def work(qr, tiers, act, cfg=lcfg, n_items=n_items, min_pages=min_pages):
+                def work(qr, tiers, act, cfg=lcfg, n_items=n_items, min_pages=min_pages,
+                         merge=merge):
                     wl = pdk.plan_work(pdk.row_pages(tiers, act), n_items, min_pages=min_pages)
                     # As the caches call it: q's real rows, padded in the kernel.
                     rows = pdk.tile_rows(G, cfg.transposed and method != "bf16")
                     o, m, l, lg = pdk.paged_decode_partials(qr, tiers, group=G, cfg=cfg,
                                                             work=wl, padded_rows=rows)
+                    if merge:
+                        return merge_rows(o, m, l, wl, S, H, items_per_step=merge)[0], lg
                     return pdk.merge_work(o, m, l, wl, S, H)[0], lg
 
                 try:

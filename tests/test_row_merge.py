@@ -10,10 +10,10 @@ from pallas_kernels import paged_decode as pdk
 from pallas_kernels.row_merge import merge_rows
 
 
-def partials(rng, S=4, H=3, G=3, D=32, N=24):
+def partials(rng, S=4, H=3, G=3, D=32, N=24, max_pages=8):
     """Random partials over a planned work list; row (0, 1) and sequence 2 hold no
     pages (no items)."""
-    pages = jnp.asarray(rng.integers(1, 9, size=(S, H)), jnp.int32)
+    pages = jnp.asarray(rng.integers(1, max_pages + 1, size=(S, H)), jnp.int32)
     pages = pages.at[0, 1].set(0).at[2].set(0)
     work = pdk.plan_work(pages, N)
     f = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
@@ -31,19 +31,33 @@ def check(got, ref, rtol):
 
 
 @pytest.mark.parametrize("with_extra", [False, True], ids=["items", "items+extra"])
-@pytest.mark.parametrize("G,D", [(3, 32), (4, 64), (1, 16)])
-def test_matches_the_segment_merge(with_extra, G, D):
-    # Online (rescaled at each new max, item by item) against the global max first:
-    # equal up to rounding; rows without items are zeros with M = NEG_INF, L = 0.
-    rng = np.random.default_rng(G * 10 + D + with_extra)
+@pytest.mark.parametrize("G,D,per_step", [(3, 32, 1), (4, 64, 4), (1, 16, 8), (3, 32, 16)])
+def test_matches_the_segment_merge(with_extra, G, D, per_step):
+    # Online (rescaled at each block's new max) against the global max first: equal
+    # up to rounding; rows without items are zeros with M = NEG_INF, L = 0. Rows
+    # hold 1 - 8 items: blocks of 4 - 16 leave lanes past the row (masked).
+    rng = np.random.default_rng(G * 10 + D + with_extra + per_step)
     work, o, m, l, extra, (S, H) = partials(rng, G=G, D=D)
     ex = extra if with_extra else None
-    got = merge_rows(o, m, l, work, S, H, ex, interpret=True)
+    got = merge_rows(o, m, l, work, S, H, ex, items_per_step=per_step, interpret=True)
     ref = pdk.merge_work(o, m, l, work, S, H, ex)
     check(got, ref, 2e-5)
     if not with_extra:
         assert float(jnp.abs(got[0][2]).max()) == 0 and float(got[2][0, 1].max()) == 0
         assert float(jnp.abs(got[0][1]).min()) > 0  # rows with items are not zeros
+
+
+@pytest.mark.parametrize("per_step", [2, 4])
+def test_rows_of_several_blocks(per_step):
+    # Few long rows, as a small batch's step: each row folds several blocks, the
+    # last one partly past the row.
+    rng = np.random.default_rng(39)  # rows of 20, 5 and 11 items
+    work, o, m, l, extra, (S, H) = partials(rng, S=2, H=2, N=40, max_pages=40)
+    counts = np.asarray(work.ranges)[:, 1]
+    assert counts.max() > 2 * per_step and (counts % per_step).any()
+    for ex in (None, extra):
+        got = merge_rows(o, m, l, work, S, H, ex, items_per_step=per_step, interpret=True)
+        check(got, pdk.merge_work(o, m, l, work, S, H, ex), 2e-5)
 
 
 def test_output_dtype_and_a_work_list_without_ranges():
@@ -55,6 +69,8 @@ def test_output_dtype_and_a_work_list_without_ranges():
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref.astype(jnp.bfloat16)))
     with pytest.raises(ValueError, match="ranges"):
         merge_rows(o, m, l, pdk.WorkList(work.items, work.seg, S * H), S, H, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        merge_rows(o, m, l, work, S, H, items_per_step=6, interpret=True)
 
 
 def test_launch_lowers_to_triton_for_cuda():
@@ -73,5 +89,6 @@ def test_compiled_merge_matches_on_gpu(G, D):
     rng = np.random.default_rng(40 + G)
     work, o, m, l, extra, (S, H) = partials(rng, S=6, H=8, G=G, D=D, N=96)
     for ex in (None, extra):
-        check(merge_rows(o, m, l, work, S, H, ex), pdk.merge_work(o, m, l, work, S, H, ex),
-              1e-4)
+        for per_step in (1, 8, 16):
+            check(merge_rows(o, m, l, work, S, H, ex, items_per_step=per_step),
+                  pdk.merge_work(o, m, l, work, S, H, ex), 1e-4)
