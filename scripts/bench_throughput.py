@@ -8,6 +8,15 @@ fixed number of generated tokens with EOS ignored (as DiffKV's own benchmark
 does). Weights are random with the model's real architecture, generated on
 the device, unless ``--model-path`` gives a checkpoint.
 
+``--natural-eos`` serves a real model instead (``--model-path``, or the
+embedded default model by name): MATH-500 problems as chat prompts (the
+model's template, when it has one), each request ending at the model's EOS
+tokens or after ``--output-len`` tokens, whichever comes first. It reports the
+response lengths too, since a compressed cache can change them:
+
+    python scripts/bench_throughput.py --model smollm2-135m --natural-eos \
+        --methods full,diffkv --num-requests 64 --output-len 1024 --kv-budget-gb 0.05
+
     python scripts/bench_throughput.py --model llama3-8b --methods full,diffkv \\
         --kv-budget-gb 8 --num-requests 384 --output-len 4096 --time-limit 300
 
@@ -68,7 +77,26 @@ def percentile(xs, q):
     return float(np.percentile(np.asarray(xs, float), q)) if len(xs) else float("nan")
 
 
-def run_method(label, name, options, cfg, params, args, prompts):
+def math_chat_prompts(tokenizer, count: int, rng) -> list[list[int]]:
+    """``count`` MATH-500 problems (shuffled, repeated past 500) as prompt ids, through
+    the tokenizer's chat template when it has one."""
+    from diffkv_jax.evaluation.datasets import load_math500
+
+    problems = load_math500()
+    order = rng.permutation(len(problems))
+    prompts = []
+    for i in range(count):
+        text = (f"{problems[order[i % len(problems)]].problem}\n\nPlease reason step by "
+                "step, and put your final answer within \\boxed{}.")
+        if tokenizer.chat_template:
+            chat = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+            prompts.append(tokenizer.encode(chat, add_special_tokens=False))
+        else:
+            prompts.append(tokenizer.encode(text))
+    return prompts
+
+
+def run_method(label, name, options, cfg, params, args, prompts, stop_ids=()):
     import jax.numpy as jnp
 
     from diffkv_jax.engine import Engine
@@ -91,7 +119,7 @@ def run_method(label, name, options, cfg, params, args, prompts):
                     preemption=args.preemption,
                     swap_pool_bytes=int(args.swap_pool_gb * 2**30))
     engine.READ_BEFORE_PREEMPTING = not args.preempt_on_bound
-    sampling = SamplingParams(max_new_tokens=args.output_len, stop_token_ids=())
+    sampling = SamplingParams(max_new_tokens=args.output_len, stop_token_ids=stop_ids)
     submitted = time.perf_counter()
     ids = [engine.add_request(p, sampling) for p in prompts]
     first_token = {}
@@ -138,7 +166,15 @@ def run_method(label, name, options, cfg, params, args, prompts):
     walls = [w for w, _, _ in steps]
     stats = engine.peak_memory or method.memory_stats(engine.state)
     ttft = [first_token[i] for i in ids if i in first_token]
+    # Tokens of the finished requests' answers (EOS included): with --natural-eos
+    # the model decides them, and a compressed cache can make them longer.
+    lengths = [len(engine.requests[i].output) for i in done]
     return dict(
+        response_tokens_mean=sum(lengths) / len(lengths) if lengths else float("nan"),
+        response_tokens_p50=percentile(lengths, 50),
+        response_tokens_p90=percentile(lengths, 90),
+        stopped_at_eos=sum(engine.requests[i].finish_reason == "stop" for i in done),
+        stop_token_ids=list(stop_ids),
         method=label, num_pages=num_pages, page_bytes=method.page_bytes,
         wall_s=wall, compile_s=engine.compile_seconds,
         # True when the wall limit (compilation included) ended the run before
@@ -238,6 +274,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama3-8b", help="preset name (random weights)")
     p.add_argument("--model-path", default=None, help="real checkpoint instead of random")
+    p.add_argument("--natural-eos", action="store_true",
+                   help="a real model (--model-path, or the embedded model by name) on "
+                        "MATH-500 chat prompts, each request ending at the model's EOS "
+                        "(--output-len caps it)")
     p.add_argument("--methods", default="full,diffkv",
                    help="comma list; options as name:key=value;key=value")
     p.add_argument("--attention", default="pallas", choices=("reference", "pallas"))
@@ -282,23 +322,33 @@ def main() -> int:
     from models.config import get_preset
     from models.loading import load_model, random_params
 
-    if args.model_path:
+    rng = np.random.default_rng(args.seed)
+    stop_ids = ()
+    if args.model_path or args.natural_eos:
         loaded = load_model(args.model, args.model_path, dtype=jnp.bfloat16)
         cfg, params = loaded.cfg, loaded.params
     else:
         cfg = get_preset(args.model)
         params = random_params(cfg, args.seed, jnp.bfloat16)
-    with open(WORKLOAD) as fh:
-        lengths = json.load(fh)["lengths"]
-    rng = np.random.default_rng(args.seed)
-    lens = rng.choice(lengths, size=args.num_requests)
-    prompts = [list(rng.integers(0, cfg.vocab_size, size=int(n))) for n in lens]
+    if args.natural_eos:
+        stop_ids = tuple(loaded.tokenizer.eos_token_ids)
+        if not stop_ids:
+            raise SystemExit(f"{args.model}: the tokenizer names no EOS token; "
+                             "--natural-eos needs one")
+        prompts = math_chat_prompts(loaded.tokenizer, args.num_requests, rng)
+        lens = [len(p) for p in prompts]
+    else:
+        with open(WORKLOAD) as fh:
+            lengths = json.load(fh)["lengths"]
+        lens = rng.choice(lengths, size=args.num_requests)
+        prompts = [list(rng.integers(0, cfg.vocab_size, size=int(n))) for n in lens]
     print(f"device {jax.devices()[0].device_kind}; model {cfg.name}; {args.num_requests} "
-          f"requests, prompt tokens mean {np.mean(lens):.0f}, output {args.output_len}; "
+          f"requests, prompt tokens mean {np.mean(lens):.0f}, output "
+          f"{'up to ' if args.natural_eos else ''}{args.output_len}; "
           f"KV budget {args.kv_budget_gb} GiB", flush=True)
     results = []
     for label, name, options in parse_methods(args.methods):
-        res, engine = run_method(label, name, options, cfg, params, args, prompts)
+        res, engine = run_method(label, name, options, cfg, params, args, prompts, stop_ids)
         results.append(res)
         print(f"{label}: {res['tokens_per_s']:.0f} tok/s, mean batch {res['mean_batch']:.1f}, "
               f"max {res['max_batch']}, {res['finished']} finished, step p50 "
@@ -357,6 +407,13 @@ def main() -> int:
               f"{r['requests_per_s']:6.2f} {r['mean_batch']:7.1f} {r['max_batch']:6d} "
               f"{r['step_ms_p50']:8.1f}ms {r['step_ms_p90']:6.1f} {r['host_share']:6.1%} "
               f"{r['ttft_s_p50']:8.2f}s {r['preemptions']:7d} {ratio:8.1%}")
+    if args.natural_eos:
+        print(f"\n{'method':28s} {'finished':>8s} {'at EOS':>7s} {'answer tokens mean':>19s} "
+              f"{'p50':>6s} {'p90':>6s}")
+        for r in results:
+            print(f"{r['method']:28s} {r['finished']:8d} {r['stopped_at_eos']:7d} "
+                  f"{r['response_tokens_mean']:19.1f} {r['response_tokens_p50']:6.0f} "
+                  f"{r['response_tokens_p90']:6.0f}")
     return 0
 
 

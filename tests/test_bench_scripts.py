@@ -139,3 +139,21 @@ def test_kernel_resources_writes_the_policy_launch_ir(tmp_path):
     for lanes in (0, 1):
         ir = (tmp_path / f"policy_scores_lanes{lanes}.ttir").read_text()
         assert "tt.func" in ir and "scf.for" in ir
+
+
+def test_throughput_benchmark_serves_a_real_model_to_its_eos(tmp_path):
+    # --natural-eos: the embedded model on MATH-500 chat prompts, stopped by its EOS
+    # tokens or the --output-len cap; the answers' lengths reported.
+    out = tmp_path / "natural"
+    stdout = run_script("bench_throughput.py", "--model", "smollm2-135m", "--natural-eos",
+                        "--methods", "full", "--num-requests", "2", "--output-len", "6",
+                        "--kv-budget-gb", "0.01", "--max-batch", "2", "--attention",
+                        "reference", "--out", str(out))
+    res = json.loads((out / "throughput.json").read_text())["results"][0]
+    from models.loading import load_model
+
+    tok = load_model("smollm2-135m").tokenizer
+    assert res["stop_token_ids"] == list(tok.eos_token_ids) and res["stop_token_ids"]
+    assert res["finished"] == 2 and 1 <= res["response_tokens_mean"] <= 6
+    assert 0 <= res["stopped_at_eos"] <= 2 and res["prompt_tokens"] > 2 * 20
+    assert "answer tokens mean" in stdout
