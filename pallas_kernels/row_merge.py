@@ -35,12 +35,13 @@ def _kernel(*refs, group: int, items_per_step: int, with_extra: bool, interpret:
     rng_ref, o_ref, m_ref, l_ref = refs[:4]
     extra_refs = refs[4:7] if with_extra else ()
     out_ref, M_ref, L_ref = refs[4 + len(extra_refs):]
-    N, D = o_ref.shape[0], o_ref.shape[-1]
+    N, D = o_ref.shape[0], out_ref.shape[-1]  # D: this program's block of the head dim
     # The GPU loads power-of-two shapes: rows past the group repeat the last real
     # row, and only the real rows are stored.
     Gq = group if interpret else pl.next_power_of_2(group)
     rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (Gq,), 0), group - 1)
-    dcol = lax.broadcasted_iota(jnp.int32, (D,), 0)
+    dloc = lax.broadcasted_iota(jnp.int32, (D,), 0)
+    dcol = pl.program_id(2) * D + dloc  # the columns of o (whole) this program merges
     lane = lax.broadcasted_iota(jnp.int32, (items_per_step,), 0)
     first, count = rng_ref[0], rng_ref[1]
 
@@ -70,7 +71,7 @@ def _kernel(*refs, group: int, items_per_step: int, with_extra: bool, interpret:
     if with_extra:
         eo, em, el = extra_refs
         carry = combine(carry, em[rows][None], el[rows][None],
-                        eo[rows[:, None], dcol[None, :]][None], jnp.ones((1,), jnp.bool_))
+                        eo[rows[:, None], dloc[None, :]][None], jnp.ones((1,), jnp.bool_))
     mx, lx, ox = carry
     # Rows without items (or extra) come out as zeros, as merge_work leaves them.
     out = ox / jnp.where(lx > 0, lx, 1.0)[:, None]
@@ -82,15 +83,15 @@ def _kernel(*refs, group: int, items_per_step: int, with_extra: bool, interpret:
         from jax.experimental.pallas import triton as plgpu
 
         real = lax.broadcasted_iota(jnp.int32, (Gq,), 0) < group
-        plgpu.store(out_ref.at[rows[:, None], dcol[None, :]], out.astype(out_ref.dtype),
+        plgpu.store(out_ref.at[rows[:, None], dloc[None, :]], out.astype(out_ref.dtype),
                     mask=real[:, None])
         plgpu.store(M_ref.at[rows], mx, mask=real)
         plgpu.store(L_ref.at[rows], lx, mask=real)
 
 
 def merge_rows(o, m, l, work: WorkList, S: int, H: int, extra=None, *,
-               out_dtype=jnp.float32, items_per_step: int = 8, num_warps: int = 4,
-               interpret: bool | None = None):
+               out_dtype=jnp.float32, items_per_step: int = 8, dim_blocks: int = 1,
+               num_warps: int = 4, interpret: bool | None = None):
     """Exact per-row merge of a work list's items, as one launch.
 
     Args:
@@ -101,6 +102,9 @@ def merge_rows(o, m, l, work: WorkList, S: int, H: int, extra=None, *,
         (e.g. the token being decoded, with ``l = 1``).
       out_dtype: dtype of ``out`` (float32, or the model's, saving a conversion).
       items_per_step: items a program loads and folds together (a power of two).
+      dim_blocks: programs per row, each merging a block of the head dim (a row's
+        walk reads ``1 / dim_blocks`` of its items' outputs; every program reads the
+        statistics and writes the same ``M, L``).
     Returns:
       ``(out [S,H,G,D], M [S,H,G], L [S,H,G])`` as
       :func:`~pallas_kernels.paged_decode.merge_work`.
@@ -111,15 +115,22 @@ def merge_rows(o, m, l, work: WorkList, S: int, H: int, extra=None, *,
         interpret = backend.default_interpret()
     G, D = o.shape[1], o.shape[2]
     ranges = work.ranges.reshape(S, H, 2).astype(jnp.int32)
-    whole = lambda a: pl.BlockSpec(a.shape, lambda s, h: (0,) * a.ndim)  # noqa: E731
+    if D % dim_blocks or (D // dim_blocks) & (D // dim_blocks - 1):
+        raise ValueError(f"dim_blocks must split the head dim {D} into powers of two, "
+                         f"got {dim_blocks}")
+    Dc = D // dim_blocks
+    whole = lambda a: pl.BlockSpec(a.shape, lambda s, h, c: (0,) * a.ndim)  # noqa: E731
     per_row = lambda a: pl.BlockSpec((None, None) + a.shape[2:],  # noqa: E731
-                                     lambda s, h: (s, h) + (0,) * (a.ndim - 2))
+                                     lambda s, h, c: (s, h) + (0,) * (a.ndim - 2))
+    # [S, H, G, D] arrays: this program's block of the head dim.
+    per_cols = lambda a: pl.BlockSpec((None, None, G, Dc),  # noqa: E731
+                                      lambda s, h, c: (s, h, 0, c))
     args = [ranges, o, m.astype(jnp.float32), l.astype(jnp.float32)]
     specs = [per_row(ranges), whole(o), whole(args[2]), whole(args[3])]
     if extra is not None:
         ex = [extra[0], extra[1].astype(jnp.float32), extra[2].astype(jnp.float32)]
         args += ex
-        specs += [per_row(x) for x in ex]
+        specs += [per_cols(ex[0]), per_row(ex[1]), per_row(ex[2])]
     out_shape = [jax.ShapeDtypeStruct((S, H, G, D), out_dtype),
                  jax.ShapeDtypeStruct((S, H, G), jnp.float32),
                  jax.ShapeDtypeStruct((S, H, G), jnp.float32)]
@@ -128,7 +139,8 @@ def merge_rows(o, m, l, work: WorkList, S: int, H: int, extra=None, *,
     kernel = functools.partial(_kernel, group=G, items_per_step=items_per_step,
                                with_extra=extra is not None, interpret=interpret)
     return tuple(pl.pallas_call(
-        kernel, grid=(S, H), in_specs=specs, out_specs=[per_row(x) for x in out_shape],
+        kernel, grid=(S, H, dim_blocks), in_specs=specs,
+        out_specs=[per_cols(out_shape[0]), per_row(out_shape[1]), per_row(out_shape[2])],
         out_shape=out_shape, interpret=interpret,
         compiler_params=None if interpret else backend.compiler_params(num_warps, 1),
         name="merge_rows",

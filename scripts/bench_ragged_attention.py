@@ -21,14 +21,15 @@ a comma-separated list of ``warps``, ``stages``, ``lanes``, ``tokens`` (1: a
 page's tokens as the dot tiles' rows, ``LaunchConfig.transposed``, queries
 padded to 8), ``items``, ``min_pages``, ``merge`` (0: XLA's segment reductions,
 ``merge_work``, as the ``work`` launch; n: the one-launch merge,
-``row_merge.merge_rows``, folding n items per step) (variants separated by
-``;``), e.g. to tune the launch where the engine runs it:
+``row_merge.merge_rows``, folding n items per step), ``merge_dims`` (that
+merge's programs per row, each over a block of the head dim) (variants
+separated by ``;``), e.g. to tune the launch where the engine runs it:
 
     python scripts/bench_ragged_attention.py --slots 128 --active 14,24,45,64
     python scripts/bench_ragged_attention.py --methods diffkv --active 45,64 --splits 1 \
         --variants "lanes=1;warps=2;stages=4;warps=2,stages=2;min_pages=8"
     python scripts/bench_ragged_attention.py --methods bf16 --splits 1 --active 6,22,46 \
-        --variants "merge=1;merge=8;merge=16"
+        --variants "merge=1;merge=8;merge=16;merge=8,merge_dims=4"
 """
 
 import dataclasses
@@ -82,10 +83,10 @@ def main() -> int:
     fields = {"warps": "num_warps", "stages": "num_stages", "lanes": "page_lanes",
               "tokens": "transposed"}
 
-    def variant(spec: str) -> tuple[dict, int | None, int, int]:
-        """``(LaunchConfig changes, items or None, min_pages, merge)`` of one --variants
-        entry."""
-        changes, items, min_pages, merge = {}, None, args.min_pages, 0
+    def variant(spec: str) -> tuple[dict, int | None, int, tuple[int, int]]:
+        """``(LaunchConfig changes, items or None, min_pages, (merge, merge_dims))`` of one
+        --variants entry."""
+        changes, items, min_pages, merge, dims = {}, None, args.min_pages, 0, 1
         for part in filter(None, spec.split(",")):
             key, _, value = part.partition("=")
             if key in fields:
@@ -96,9 +97,13 @@ def main() -> int:
                 min_pages = int(value)
             elif key == "merge":
                 merge = int(value)
+            elif key == "merge_dims":
+                dims = int(value)
             else:
                 raise SystemExit(f"unknown variant setting {key!r} in {spec!r}")
-        return changes, items, min_pages, merge
+        if dims > 1 and not merge:
+            raise SystemExit(f"merge_dims needs merge=N (the one-launch merge) in {spec!r}")
+        return changes, items, min_pages, (merge, dims)
 
     variants = [(spec, *variant(spec)) for spec in filter(None, args.variants.split(";"))]
 
@@ -156,8 +161,8 @@ def main() -> int:
             # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
             lane_dim = D if method == "diffkv" else 0
             cfg = _launch(emit, lane_dim)
-            launches = [("work", cfg, work_items(S, H), args.min_pages, 0)]
-            launches += [(f"work-{n}", cfg, n, args.min_pages, 0)
+            launches = [("work", cfg, work_items(S, H), args.min_pages, (0, 1))]
+            launches += [(f"work-{n}", cfg, n, args.min_pages, (0, 1))
                          for n in (int(n) for n in args.items.split(",") if n)]
             launches += [(spec, dataclasses.replace(cfg, **changes),
                           items or work_items(S, H), mp, merge)
@@ -172,8 +177,9 @@ def main() -> int:
                     rows = pdk.tile_rows(G, cfg.transposed and method != "bf16")
                     o, m, l, lg = pdk.paged_decode_partials(qr, tiers, group=G, cfg=cfg,
                                                             work=wl, padded_rows=rows)
-                    if merge:
-                        return merge_rows(o, m, l, wl, S, H, items_per_step=merge)[0], lg
+                    if merge[0]:
+                        return merge_rows(o, m, l, wl, S, H, items_per_step=merge[0],
+                                          dim_blocks=merge[1])[0], lg
                     return pdk.merge_work(o, m, l, wl, S, H)[0], lg
 
                 try:

@@ -31,15 +31,17 @@ def check(got, ref, rtol):
 
 
 @pytest.mark.parametrize("with_extra", [False, True], ids=["items", "items+extra"])
-@pytest.mark.parametrize("G,D,per_step", [(3, 32, 1), (4, 64, 4), (1, 16, 8), (3, 32, 16)])
-def test_matches_the_segment_merge(with_extra, G, D, per_step):
+@pytest.mark.parametrize("G,D,per_step,dim_blocks",
+                         [(3, 32, 1, 1), (4, 64, 4, 2), (1, 16, 8, 1), (3, 32, 16, 4)])
+def test_matches_the_segment_merge(with_extra, G, D, per_step, dim_blocks):
     # Online (rescaled at each block's new max) against the global max first: equal
     # up to rounding; rows without items are zeros with M = NEG_INF, L = 0. Rows
     # hold 1 - 8 items: blocks of 4 - 16 leave lanes past the row (masked).
     rng = np.random.default_rng(G * 10 + D + with_extra + per_step)
     work, o, m, l, extra, (S, H) = partials(rng, G=G, D=D)
     ex = extra if with_extra else None
-    got = merge_rows(o, m, l, work, S, H, ex, items_per_step=per_step, interpret=True)
+    got = merge_rows(o, m, l, work, S, H, ex, items_per_step=per_step, dim_blocks=dim_blocks,
+                     interpret=True)
     ref = pdk.merge_work(o, m, l, work, S, H, ex)
     check(got, ref, 2e-5)
     if not with_extra:
@@ -47,8 +49,8 @@ def test_matches_the_segment_merge(with_extra, G, D, per_step):
         assert float(jnp.abs(got[0][1]).min()) > 0  # rows with items are not zeros
 
 
-@pytest.mark.parametrize("per_step", [2, 4])
-def test_rows_of_several_blocks(per_step):
+@pytest.mark.parametrize("per_step,dim_blocks", [(2, 1), (4, 1), (4, 2)])
+def test_rows_of_several_blocks(per_step, dim_blocks):
     # Few long rows, as a small batch's step: each row folds several blocks, the
     # last one partly past the row.
     rng = np.random.default_rng(39)  # rows of 20, 5 and 11 items
@@ -56,7 +58,8 @@ def test_rows_of_several_blocks(per_step):
     counts = np.asarray(work.ranges)[:, 1]
     assert counts.max() > 2 * per_step and (counts % per_step).any()
     for ex in (None, extra):
-        got = merge_rows(o, m, l, work, S, H, ex, items_per_step=per_step, interpret=True)
+        got = merge_rows(o, m, l, work, S, H, ex, items_per_step=per_step,
+                         dim_blocks=dim_blocks, interpret=True)
         check(got, pdk.merge_work(o, m, l, work, S, H, ex), 2e-5)
 
 
@@ -71,14 +74,18 @@ def test_output_dtype_and_a_work_list_without_ranges():
         merge_rows(o, m, l, pdk.WorkList(work.items, work.seg, S * H), S, H, interpret=True)
     with pytest.raises(ValueError, match="power of two"):
         merge_rows(o, m, l, work, S, H, items_per_step=6, interpret=True)
+    with pytest.raises(ValueError, match="dim_blocks"):
+        merge_rows(o, m, l, work, S, H, dim_blocks=3, interpret=True)
 
 
-def test_launch_lowers_to_triton_for_cuda():
+@pytest.mark.parametrize("dim_blocks", [1, 2])
+def test_launch_lowers_to_triton_for_cuda(dim_blocks):
     # The GPU path (masked stores of the real rows, gathers by row index) through
     # Pallas' Triton lowering, on any machine.
     rng = np.random.default_rng(6)
     work, o, m, l, extra, (S, H) = partials(rng, G=3, D=64)
-    fn = lambda o: merge_rows(o, m, l, work, S, H, extra, interpret=False)  # noqa: E731
+    fn = lambda o: merge_rows(o, m, l, work, S, H, extra, dim_blocks=dim_blocks,  # noqa: E731
+                              interpret=False)
     text = jax.jit(fn).trace(o).lower(lowering_platforms=("cuda",)).as_text()
     assert "merge_rows" in text and "triton" in text
 
@@ -89,6 +96,7 @@ def test_compiled_merge_matches_on_gpu(G, D):
     rng = np.random.default_rng(40 + G)
     work, o, m, l, extra, (S, H) = partials(rng, S=6, H=8, G=G, D=D, N=96)
     for ex in (None, extra):
-        for per_step in (1, 8, 16):
-            check(merge_rows(o, m, l, work, S, H, ex, items_per_step=per_step),
+        for per_step, dim_blocks in ((1, 1), (8, 1), (16, 1), (8, 4)):
+            check(merge_rows(o, m, l, work, S, H, ex, items_per_step=per_step,
+                             dim_blocks=dim_blocks),
                   pdk.merge_work(o, m, l, work, S, H, ex), 1e-4)
