@@ -118,6 +118,8 @@ def merge_rows(o, m, l, work: WorkList, S: int, H: int, extra=None, *,
     if D % dim_blocks or (D // dim_blocks) & (D // dim_blocks - 1):
         raise ValueError(f"dim_blocks must split the head dim {D} into powers of two, "
                          f"got {dim_blocks}")
+    if items_per_step < 1 or items_per_step & (items_per_step - 1):
+        raise ValueError(f"items_per_step must be a power of two, got {items_per_step}")
     Dc = D // dim_blocks
     whole = lambda a: pl.BlockSpec(a.shape, lambda s, h, c: (0,) * a.ndim)  # noqa: E731
     per_row = lambda a: pl.BlockSpec((None, None) + a.shape[2:],  # noqa: E731
@@ -134,8 +136,6 @@ def merge_rows(o, m, l, work: WorkList, S: int, H: int, extra=None, *,
     out_shape = [jax.ShapeDtypeStruct((S, H, G, D), out_dtype),
                  jax.ShapeDtypeStruct((S, H, G), jnp.float32),
                  jax.ShapeDtypeStruct((S, H, G), jnp.float32)]
-    if items_per_step < 1 or items_per_step & (items_per_step - 1):
-        raise ValueError(f"items_per_step must be a power of two, got {items_per_step}")
     kernel = functools.partial(_kernel, group=G, items_per_step=items_per_step,
                                with_extra=extra is not None, interpret=interpret)
     return tuple(pl.pallas_call(

@@ -8,17 +8,17 @@ fixed number of generated tokens with EOS ignored (as DiffKV's own benchmark
 does). Weights are random with the model's real architecture, generated on
 the device, unless ``--model-path`` gives a checkpoint.
 
+    python scripts/bench_throughput.py --model llama3-8b --methods full,diffkv \\
+        --kv-budget-gb 8 --num-requests 384 --output-len 4096 --time-limit 300
+
 ``--natural-eos`` serves a real model instead (``--model-path``, or the
 embedded default model by name): MATH-500 problems as chat prompts (the
 model's template, when it has one), each request ending at the model's EOS
 tokens or after ``--output-len`` tokens, whichever comes first. It reports the
 response lengths too, since a compressed cache can change them:
 
-    python scripts/bench_throughput.py --model smollm2-135m --natural-eos \
+    python scripts/bench_throughput.py --model smollm2-135m --natural-eos \\
         --methods full,diffkv --num-requests 64 --output-len 1024 --kv-budget-gb 0.05
-
-    python scripts/bench_throughput.py --model llama3-8b --methods full,diffkv \\
-        --kv-budget-gb 8 --num-requests 384 --output-len 4096 --time-limit 300
 
 Methods take options after a colon, ``;``-separated: e.g.
 ``"diffkv:high_frac=0.3;low_frac=0.4"`` runs DiffKV at a fixed tier mix (30% of
