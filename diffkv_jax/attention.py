@@ -75,6 +75,44 @@ def prefill_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arr
     return causal_attention(q, k, v, lengths)
 
 
+def _cudnn_attention_and_lse(q, k, v, seq):
+    """cuDNN's fused causal attention and its float32 softmax statistics
+    ``[B, nq, T]`` (natural-log log-sum-exp of each query's scaled logits), which
+    its forward pass computes anyway. ``jax.nn.dot_product_attention`` exposes
+    them only cast to the output's 16-bit dtype and transposed, so this calls the
+    function beneath it (private API: any failure means "not available")."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    out, lse = cudnn.dot_product_attention(
+        q, k, v, None, None, seq, seq, scale=1.0 / float(q.shape[-1]) ** 0.5,
+        mask_type=cudnn.MaskType.PADDING_CAUSAL, return_residual=True)
+    return out, lse
+
+
+def prefill_attention_lse(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array):
+    """:func:`prefill_attention`, plus each query's softmax log-normalizer when the
+    fused kernel gives it for free.
+
+    Returns ``(out, lse)``: ``out`` as :func:`prefill_attention`; ``lse`` the
+    ``[B, nq, T]`` float32 natural-log log-sum-exp of each query's scaled causal
+    logits (``log sum_j exp(q.k_j / sqrt(D))``; rows past a prompt's length
+    undefined) from cuDNN on the GPU, else None. The observation-window scores
+    (:func:`pallas_kernels.window_scores.window_scores`) use it to skip their
+    own pass over the keys for the normalizers.
+    """
+    if (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+            and k.dtype == q.dtype and v.dtype == q.dtype):
+        seq = jnp.maximum(lengths, 1).astype(jnp.int32)
+        try:
+            out, lse = _cudnn_attention_and_lse(q, k, v, seq)
+            if lse.shape == (q.shape[0], q.shape[2], q.shape[1]):
+                return out.astype(jnp.float32), lse.astype(jnp.float32)
+        except (ImportError, AttributeError, TypeError, NotImplementedError, ValueError,
+                RuntimeError):
+            pass  # this JAX's private API differs, or cuDNN refuses: no statistics
+    return prefill_attention(q, k, v, lengths), None
+
+
 def prefix_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_start: jax.Array,
                             lengths: jax.Array, block: int = 128) -> jax.Array:
     """A prompt chunk's attention over everything before it and itself (chunked prefill).

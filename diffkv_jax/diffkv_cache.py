@@ -487,9 +487,14 @@ class DiffKVCache(SlotAccounting):
         batch, ids, per_row = ctx
         if batch.start is not None:
             return self._prefill_chunk(state, layer, q, k, v, ctx)
-        out = attn_ref.prefill_attention(q, k, v, batch.lengths)
+        lse = None
+        if self.window_kernel and self.policy.obs_window is not None:
+            # cuDNN's softmax statistics spare the window kernel its normalizers' pass.
+            out, lse = attn_ref.prefill_attention_lse(q, k, v, batch.lengths)
+        else:
+            out = attn_ref.prefill_attention(q, k, v, batch.lengths)
         score_sum = prompt_scoring.prompt_scores(q, k, batch.lengths, self.policy.obs_window,
-                                                 window_kernel=self.window_kernel)
+                                                 window_kernel=self.window_kernel, lse=lse)
         return self.prefill_write(state, layer, k, v, score_sum, batch, ids, per_row), out
 
     def _prefill_chunk(self, state: DiffKVState, layer, q, k, v, ctx):

@@ -65,19 +65,22 @@ def all_query_scores(q, k, lengths, block: int = 256):
     return jax.lax.scan(one, init, jnp.arange(nb))[0]
 
 
-def prompt_scores(q, k, lengths, obs_window: int | None, *, window_kernel: bool = False):
+def prompt_scores(q, k, lengths, obs_window: int | None, *, window_kernel: bool = False,
+                  lse=None):
     """:func:`window_scores` when ``obs_window`` is set, else :func:`all_query_scores`.
 
     ``window_kernel``: the window's scores by the Pallas kernel
-    (:func:`pallas_kernels.window_scores.window_scores`, same results; on the H200
-    it adds ~10% to cuDNN's prefill attention at 4K tokens where XLA's adds ~40%).
+    (:func:`pallas_kernels.window_scores.window_scores`, same results), with
+    ``lse`` (the prefill attention's softmax statistics,
+    :func:`diffkv_jax.attention.prefill_attention_lse`) when there are any; the
+    measured cost beside cuDNN's prefill attention is in docs/benchmarks.md.
     """
     if obs_window is None:
         return all_query_scores(q, k, lengths)
     if window_kernel:
         from pallas_kernels.window_scores import window_scores as kernel
 
-        return kernel(q, k, lengths, obs_window)
+        return kernel(q, k, lengths, obs_window, lse=lse)
     return window_scores(q, k, lengths, obs_window)
 
 

@@ -11,7 +11,7 @@
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
 #   bash scripts/h200_figures.sh policy       # the policy launch: its floor, the lane victim search
-#   bash scripts/h200_figures.sh scoring      # prompt scoring (jnp, kernel) vs prefill attention
+#   bash scripts/h200_figures.sh scoring      # window scoring (jnp, kernel) vs prefill attention
 #   bash scripts/h200_figures.sh allocation   # a decode step's page allocation
 #
 # Results go to $OUT (default results/h200). Compiled executables are cached in
@@ -55,6 +55,7 @@ case "${1:-}" in
   parts)
     python scripts/bench_launch_parts.py --json "$OUT/bench_launch_parts.json" ;;
   scoring)
+    python scripts/bench_window_scores.py --profile --iters 20 --json "$OUT/window_scores.json"
     python scripts/step_breakdown.py --model llama3-8b --methods none --prompt 4096 \
       --json "$OUT/prompt_scoring.json" ;;
   allocation)

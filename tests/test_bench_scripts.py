@@ -158,3 +158,16 @@ def test_throughput_benchmark_serves_a_real_model_to_its_eos(tmp_path):
     assert res["finished"] == 2 and 1 <= res["response_tokens_mean"] <= 6
     assert 0 <= res["stopped_at_eos"] <= 2 and res["prompt_tokens"] > 2 * 20
     assert "answer tokens mean" in stdout
+
+
+def test_window_scores_benchmark_checks_its_variants(tmp_path):
+    out = tmp_path / "window.json"
+    run_script("bench_window_scores.py", "--models", "smollm2-135m", "--prompts", "96",
+               "--batch", "2", "--window", "16", "--layers", "2", "--iters", "1",
+               "--attention", "xla", "--variants", "block=32;block=64,warps=4,lse=1",
+               "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["impl"] for r in rows] == ["xla", "kernel block=32",
+                                         "kernel block=64,num_warps=4,lse=True"]
+    for r in rows:  # every kernel setting gives the reference's scores
+        assert r["rel_err"] < 1e-3 and r["attention_ms"] > 0 and r["scores_ms"] > 0

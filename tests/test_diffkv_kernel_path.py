@@ -157,13 +157,14 @@ def test_full_cache_rejects_unknown_attention_impl():
                     merge_impl="fast")
 
 
-def _serve(cfg, params, method, prompts, max_new: int, steps: int):
-    """``steps`` engine steps over ``prompts``: (outputs, scores or None where the
-    cache keeps none, memory stats)."""
+def _serve(cfg, params, method, prompts, max_new: int, steps: int, dtype=jnp.float32):
+    """``steps`` engine steps over ``prompts`` (compute ``dtype``): (outputs, scores or
+    None where the cache keeps none, memory stats)."""
     from diffkv_jax.engine import Engine
     from diffkv_jax.generation import SamplingParams
 
-    eng = Engine(cfg, params, method, num_pages=2 * method.pages_for_tokens(128) + 64)
+    eng = Engine(cfg, params, method, num_pages=2 * method.pages_for_tokens(128) + 64,
+                 dtype=dtype)
     ids = [eng.add_request(p, SamplingParams(max_new_tokens=max_new)) for p in prompts]
     for _ in range(steps):
         eng.step()
@@ -312,3 +313,41 @@ def test_full_cache_merge_launch_serves_the_same_tokens_on_gpu(tiny_model):
     launch = dataclasses.replace(xla, merge_impl="auto")
     assert launch.merges_in_launch and not xla.merges_in_launch
     _serve_both(cfg, params, prompts, (xla, launch))
+
+
+@pytest.mark.gpu
+def test_prefill_window_scores_from_cudnn_statistics_serve_the_same_tokens(tiny_model,
+                                                                          monkeypatch):
+    # A 16-bit model on the GPU kernel path: the prefill's window kernel takes its
+    # normalizers from cuDNN's softmax statistics. Withheld (the kernel computes its
+    # own), the greedy tokens and the cache's scores are the same.
+    import jax
+
+    from diffkv_jax import attention
+    from models.llama import init_params
+
+    cfg, _, prompts = _two_prompts(tiny_model, True, seed=9)
+    params = init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16)
+    real = attention.prefill_attention_lse
+    calls = {"given": 0, "withheld": 0}
+
+    def counted(q, k, v, lengths):
+        out, lse = real(q, k, v, lengths)
+        calls["given"] += lse is not None
+        return out, lse
+
+    def withheld(q, k, v, lengths):
+        calls["withheld"] += 1
+        return attention.prefill_attention(q, k, v, lengths), None
+
+    method = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16, window=8,
+                         attention_impl="pallas", alpha_high=1.0, alpha_low=0.05)
+    assert method.window_kernel
+    runs = []
+    for fn in (counted, withheld):
+        monkeypatch.setattr(attention, "prefill_attention_lse", fn)
+        runs.append(_serve(cfg, params, dataclasses.replace(method), prompts, max_new=40,
+                           steps=30, dtype=jnp.bfloat16))
+    assert calls["given"] > 0 and calls["withheld"] > 0
+    assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
+    np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=2e-2, atol=1e-3)
