@@ -295,8 +295,10 @@ class DiffKVCache(SlotAccounting):
     def addressable_pages(self, num_pages: int) -> int:
         """The largest pool of at most ``num_pages`` pages the GPU kernel can address.
 
-        Its 32-bit offsets overflow on code pools of 2 - 4 GiB (the pool keeps one
-        extra sentinel page); a count there drops to the largest below 2 GiB.
+        Where the Triton lowering's 32-bit offsets would overflow (code pools of
+        2 - 4 GiB; the pool keeps one extra sentinel page) and the backend cannot
+        widen them (:func:`pallas_kernels.backend.wide_offsets`), a count there
+        drops to the largest below 2 GiB.
         """
         lay = self.layout
         if self.attention_impl != "pallas" or pdk.addressable(

@@ -47,7 +47,7 @@ def pages_for_memory(method, memory_bytes: int) -> int:
 
     Raises ValueError when the budget does not cover the state's fixed part and
     one page. Methods whose kernels cannot address some pool sizes (DiffKV's
-    32-bit offsets, 2 - 4 GiB of codes) get the largest count they can use, with a
+    32-bit offsets, 2 - 4 GiB of codes, where the backend cannot widen them) get the largest count they can use, with a
     warning that says how much of the budget stays unused and which budgets avoid it.
     """
     memory_bytes = int(memory_bytes)

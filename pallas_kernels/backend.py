@@ -7,6 +7,7 @@ in Pallas interpret mode, which executes the same kernel body with jnp.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -96,3 +97,78 @@ def dot_acc(acc, a, b, trans_b: bool = False):
     if not FUSED_DOT_ACC:
         return acc + dot(a, b, trans_b=trans_b)
     return dot_acc_p.bind(acc, a, b, trans_b=trans_b)
+
+
+def _register_wide_offsets() -> bool:
+    """Give every ref of more than 2^31 bytes 64-bit element offsets.
+
+    The Triton lowering indexes a ref with 32-bit offsets unless it holds more than
+    2^32 bytes, and the pointer arithmetic sign-extends them: a one-byte pool of
+    2 - 4 GiB overflows. The lowering chooses the width from the ref's size alone
+    (``_compute_offsets_from_indices``), so this hands it, for refs of that range,
+    a block description whose dtype claims 8 bytes per element: the width flips to
+    64 bits and nothing else changes (offsets and strides stay in elements of the
+    real dtype). False (and the narrow offsets) when this JAX's private lowering is
+    not the one written against, or when ``DIFFKV_JAX_NARROW_OFFSETS=1``.
+    """
+    if os.environ.get("DIFFKV_JAX_NARROW_OFFSETS", "0") not in ("", "0"):
+        return False
+    try:
+        import dataclasses
+        import math
+
+        from jax._src.pallas.triton import lowering as tl
+    except ImportError:
+        return False
+    narrow = getattr(tl, "_compute_offsets_from_indices", None)
+    if narrow is None or getattr(narrow, "_wide", False) or not hasattr(tl, "BlockInfo"):
+        return False
+    if "full_shape_dtype" not in {f.name for f in dataclasses.fields(tl.BlockInfo)}:
+        return False
+
+    def wide(block_info, nd_indexer):
+        full = block_info.full_shape_dtype
+        if 2**31 < math.prod(full.shape) * jnp.dtype(full.dtype).itemsize <= 2**32:
+            block_info = dataclasses.replace(
+                block_info, full_shape_dtype=jax.ShapeDtypeStruct(full.shape, jnp.uint64))
+        return narrow(block_info, nd_indexer)
+
+    wide._wide = True
+    tl._compute_offsets_from_indices = wide
+    return True
+
+
+_WIDE_PATCHED = _register_wide_offsets()
+
+
+def _probe_kernel(ids_ref, pool_ref, out_ref):
+    out_ref[...] = pool_ref[ids_ref[0], :].astype(jnp.int32)
+
+
+@functools.cache
+def wide_offsets() -> bool:
+    """Whether refs of 2 - 4 GiB get 64-bit offsets: the patch is in place and a probe
+    kernel over a 3 GiB byte ref, lowered for CUDA (no GPU needed), shows them."""
+    if not _WIDE_PATCHED:
+        return False
+    import contextlib
+    import io
+
+    from jax.experimental import pallas as pl
+
+    def probe(ids, pool):
+        return pl.pallas_call(
+            _probe_kernel, out_shape=jax.ShapeDtypeStruct((256,), jnp.int32),
+            in_specs=[pl.BlockSpec((1,), lambda: (0,)), pl.BlockSpec(pool.shape, lambda: (0, 0))],
+            out_specs=pl.BlockSpec((256,), lambda: (0,)), debug=True,
+            compiler_params=compiler_params(1, 1))(ids, pool)
+
+    text = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(text):  # debug=True prints the Triton module
+            jax.jit(probe).trace(jax.ShapeDtypeStruct((1,), jnp.int32),
+                                 jax.ShapeDtypeStruct((3 * 2**22, 256), jnp.uint8)
+                                 ).lower(lowering_platforms=("cuda",))
+    except Exception:  # noqa: BLE001 - any failure: the narrow offsets, refused pools
+        return False
+    return "i64" in text.getvalue()

@@ -721,8 +721,11 @@ def merge_work(o, m, l, work: WorkList, S: int, H: int, extra=None):
 def addressable(elements: int, itemsize: int) -> bool:
     """Whether a pool fits the Triton lowering's offsets: it indexes a ref with 32-bit
     signed element offsets unless the ref holds more than 2^32 bytes, so a pool of
-    more than 2^31 one-byte elements and at most 4 GiB would overflow them."""
-    return elements <= 2**31 or elements * itemsize > 2**32
+    more than 2^31 one-byte elements and at most 4 GiB would overflow them, unless
+    :func:`pallas_kernels.backend.wide_offsets` gives those 64-bit offsets too."""
+    if elements <= 2**31 or elements * itemsize > 2**32:
+        return True
+    return backend.wide_offsets()
 
 
 def padded_group(G: int, multiple: int) -> int:

@@ -33,9 +33,13 @@ def test_budget_below_the_tables_is_refused(tiny_model):
     assert mb.pages_for_memory(method, mb.state_bytes(method, 1)) == 1
 
 
-def test_diffkv_kernel_pools_skip_the_unaddressable_sizes(tiny_model):
-    """Code pools of 2 - 4 GiB overflow the GPU kernel's 32-bit offsets: a budget
-    there gets the largest pool under 2 GiB (counted from shapes, never allocated)."""
+def test_diffkv_kernel_pools_skip_the_unaddressable_sizes(tiny_model, monkeypatch):
+    """Without wide offsets, code pools of 2 - 4 GiB overflow the GPU kernel's 32-bit
+    offsets: a budget there gets the largest pool under 2 GiB (counted from shapes,
+    never allocated)."""
+    from pallas_kernels import backend
+
+    monkeypatch.setattr(backend, "wide_offsets", lambda: False)
     cfg, _ = tiny_model
     method = make_method("diffkv", cfg, max_seqs=2, max_context=64, page_size=16,
                          attention_impl="pallas")
@@ -59,6 +63,26 @@ def test_diffkv_kernel_pools_skip_the_unaddressable_sizes(tiny_model):
     assert method.addressable_pages(big) == big
     reference = make_method("diffkv", cfg, max_seqs=2, max_context=64, page_size=16)
     assert reference.addressable_pages(3 * 2**30 // data) == 3 * 2**30 // data
+
+
+def test_wide_offsets_give_a_3gib_budget_all_its_pages(tiny_model):
+    """With 64-bit offsets for 2 - 4 GiB refs (pallas_kernels.backend.wide_offsets),
+    a kernel pool of 3 GiB is addressable: the budget's pages are all used, no
+    warning."""
+    import warnings
+
+    from pallas_kernels import backend
+
+    assert backend.wide_offsets()
+    cfg, _ = tiny_model
+    method = make_method("diffkv", cfg, max_seqs=2, max_context=64, page_size=16,
+                         attention_impl="pallas")
+    budget = mb.state_bytes(method, 3 * 2**30 // method.layout.data_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        pages = mb.pages_for_memory(method, budget)
+    assert pages == 3 * 2**30 // method.layout.data_bytes
+    assert method.addressable_pages(pages) == pages
 
 
 def test_engine_from_a_memory_budget_serves(tiny_model):

@@ -6,6 +6,8 @@ work lists (inactive rows skipped): in interpret
 mode on the CPU and, marked ``gpu``, compiled on the GPU.
 """
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -309,12 +311,17 @@ def test_compiled_rows_padded_in_the_kernel_match_reference_on_gpu(tier_set, D, 
 
 
 @pytest.mark.gpu
-def test_pool_over_4gib_is_addressed_with_64bit_offsets_on_gpu():
-    # A 4.5 GiB byte pool; the rows' pages sit past the 2^31-element mark, where
-    # 32-bit offsets would wrap around.
+@pytest.mark.parametrize("gib", [3.0, 4.5])
+def test_pools_over_2gib_are_addressed_with_64bit_offsets_on_gpu(gib):
+    # A 3 GiB byte pool (64-bit offsets by backend.wide_offsets) and a 4.5 GiB one
+    # (by the lowering itself); the rows' pages sit past the 2^31-element mark,
+    # where 32-bit offsets would wrap around.
+    from pallas_kernels import backend
+
+    assert backend.wide_offsets() or gib > 4
     D, cap = 128, 32
     fmt = pdk.TierFormat(8, 4, D, cap)
-    P = (9 * 2**29) // fmt.data_bytes + 1
+    P = int(gib * 2**30) // fmt.data_bytes + 1
     rng = np.random.default_rng(7)
     tail = jnp.asarray(rng.integers(0, 256, size=(8, fmt.data_bytes)), jnp.uint8)
     data = jnp.zeros((P, fmt.data_bytes), jnp.uint8).at[P - 8:].set(tail)
@@ -340,17 +347,41 @@ def test_pool_over_4gib_is_addressed_with_64bit_offsets_on_gpu():
     assert np.abs(np.asarray(out) - np.asarray(ref)).max() <= 3e-2 * float(np.abs(ref).max())
 
 
-def test_pool_addressing_limits():
-    # 32-bit signed element offsets up to 4 GiB, 64-bit above: only one-byte pools
-    # of 2 - 4 GiB overflow.
+@pytest.mark.parametrize("wide", [False, True])
+def test_pool_addressing_limits(wide, monkeypatch):
+    # The lowering's own offsets: 32-bit signed element offsets up to 4 GiB, 64-bit
+    # above, so only one-byte pools of 2 - 4 GiB overflow; with wide offsets none do.
+    from pallas_kernels import backend
+
+    monkeypatch.setattr(backend, "wide_offsets", lambda: wide)
     assert pdk.addressable(2**31, 2) and pdk.addressable(2**31, 1)
-    assert not pdk.addressable(2**31 + 1, 1) and not pdk.addressable(2**32, 1)
+    assert pdk.addressable(2**31 + 1, 1) == wide and pdk.addressable(2**32, 1) == wide
     assert pdk.addressable(2**32 + 1, 1) and pdk.addressable(2**30, 4)
 
 
-def test_diffkv_cache_refuses_pools_the_kernel_cannot_address():
-    from diffkv_jax.diffkv_cache import DiffKVCache
+def test_refs_of_2_to_4_gib_lower_with_64bit_offsets():
+    # Lowered for CUDA on any machine: the probe of backend.wide_offsets finds
+    # 64-bit offsets in a 3 GiB byte ref's Triton module; the environment switch
+    # turns them off (a fresh interpreter: the patch is installed at import).
+    import subprocess
+    import sys
 
+    from pallas_kernels import backend
+
+    assert backend.wide_offsets()
+    code = "from pallas_kernels import backend; print(backend.wide_offsets())"
+    env = dict(os.environ, DIFFKV_JAX_NARROW_OFFSETS="1", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True, cwd=os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__))))
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_diffkv_cache_refuses_pools_the_kernel_cannot_address(monkeypatch):
+    from diffkv_jax.diffkv_cache import DiffKVCache
+    from pallas_kernels import backend
+
+    monkeypatch.setattr(backend, "wide_offsets", lambda: False)  # the lowering's own
     m = DiffKVCache(1, 1, 128, 1, 64, attention_impl="pallas")
     with pytest.raises(ValueError, match="32-bit offsets"):
         m.init_state(3 * 2**30 // m.layout.data_bytes)
