@@ -300,7 +300,7 @@ def prompt_scoring_cost(cfg, args):
     out["window_scores_ms"] = bench(lambda q, k, v: ps.window_scores(q, k, lengths,
                                                                      args.obs_window))
     out["window_scores_queued_ms"] = bench.queued
-    try:  # the two-launch Pallas kernel (pallas_kernels/window_scores.py)
+    try:  # the Pallas kernel with its own normalizers: two launches
         from pallas_kernels.window_scores import window_scores as window_kernel
 
         kernel = lambda q, k, v: window_kernel(q, k, lengths, args.obs_window)  # noqa: E731
@@ -315,6 +315,21 @@ def prompt_scoring_cost(cfg, args):
         want = jax.jit(lambda q, k, v: ps.window_scores(q, k, lengths, args.obs_window))(q, k, v)
         got = jax.jit(kernel)(q, k, v)
         out["window_kernel_max_rel_err"] = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+        # As the DiffKV prefill runs it on the GPU: cuDNN's attention with the padding
+        # mask and its softmax statistics, the kernel given them (one launch); the
+        # baseline is the same attention without the statistics.
+        padded = lambda q, k, v: attn.prefill_attention(q, k, v, lengths)  # noqa: E731
+
+        def stats_scored(q, k, v):
+            o, lse = attn.prefill_attention_lse(q, k, v, lengths)
+            return o, window_kernel(q, k, lengths, args.obs_window, lse=lse)
+        if attn.prefill_attention_lse(q, k, v, lengths)[1] is not None:
+            bench(padded)
+            out["attention_padded_queued_ms"] = bench.queued
+            bench(stats_scored)
+            out["attention_with_stats_window_kernel_queued_ms"] = bench.queued
+            out["window_kernel_with_stats_adds"] = (bench.queued
+                                                    / out["attention_padded_queued_ms"] - 1.0)
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         out["window_scores_kernel_error"] = f"{type(e).__name__}: {e}"[:300]
     out["all_query_scores_ms"] = bench(lambda q, k, v: ps.all_query_scores(q, k, lengths))
