@@ -53,13 +53,32 @@ def page_lanes(head_dim: int) -> int:
     return PAGE_LANES.get(head_dim, 1) if backend.on_gpu() else 1
 
 
-def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False) -> pdk.LaunchConfig:
+#: Work units per page of the high and low tiers in a DiffKV launch's work items
+#: (``LaunchConfig.tier_weights``): the plan cuts rows into items of equal units,
+#: so a tier whose pages take longer to walk counts them more. A K4V2 page (64
+#: tokens) takes about twice a K8V4 page's time; counted once, the items holding
+#: low pages ran longest and the launch waited for them. On the H200 (Llama3-8B
+#: heads, docs/benchmarks.md 3.0.0e) weights 1 : 2 take the 50/50 mix at
+#: 32 x 16K from 0.300 to 0.240 ms and at 32 x 4K from 0.095 to 0.084 ms
+#: (1 : 1.5 and 1 : 2.5 in between; 128 x 4K unchanged).
+TIER_WEIGHTS = {HI: 1, LO: 2}
+
+
+def tier_weights(tiers=(HI, LO)) -> tuple:
+    """:data:`TIER_WEIGHTS` of a launch's ``tiers`` in their order."""
+    return tuple(TIER_WEIGHTS[t] for t in tiers)
+
+
+def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
+            weights: tuple = ()) -> pdk.LaunchConfig:
     """The caches' launch settings; ``head_dim`` 0: without page lanes (16-bit pages);
     ``transposed``: the quantized pages' tokens as the dot tiles' rows
-    (``LaunchConfig.transposed``; query rows padded by :func:`_tile_rows`)."""
+    (``LaunchConfig.transposed``; query rows padded by :func:`_tile_rows`);
+    ``weights``: work units per page of each tier (:data:`TIER_WEIGHTS`)."""
     gpu = backend.on_gpu()
     return pdk.LaunchConfig(dot_dtype="float16" if gpu else "float32", emit_logits=emit_logits,
-                            page_lanes=page_lanes(head_dim), transposed=transposed)
+                            page_lanes=page_lanes(head_dim), transposed=transposed,
+                            tier_weights=tuple(weights))
 
 
 def _grouped_query(q, H: int):
@@ -126,7 +145,8 @@ def plan_decode_work(method, state, active) -> pdk.WorkList:
     S, H = method.max_seqs, method.num_kv_heads
     n_tok = state.n_tok[:S].astype(jnp.int32)  # [S, L, H, 2]
     tiers = (HI, LO) if method.policy.low_tier else (HI,)
-    pages = sum((n_tok[..., t] + method.cap(t) - 1) // method.cap(t) for t in tiers)
+    pages = sum((n_tok[..., t] + method.cap(t) - 1) // method.cap(t) * TIER_WEIGHTS[t]
+                for t in tiers)
     pages = jnp.where(active[:, None, None], pages, 0).transpose(1, 0, 2)  # [L, S, H]
     N = work_items(S, H)
 
@@ -177,10 +197,11 @@ def _tier_partials(method, state, layer, q, n_hi: int, n_lo: int, work: pdk.Work
     qg = _grouped_query(q, H)
     rows = state.page_table[:S, layer]  # [S, H, R]
     R = rows.shape[-1]
-    tiers, pages = [], []
+    tiers, pages, present = [], [], []
     for tier, width in ((HI, n_hi), (LO, n_lo)):
         if width == 0:
             continue
+        present.append(tier)
         t = lay.tiers[tier]
         j = jnp.arange(width)
         cols = jnp.minimum(j, R - 1) if tier == HI else jnp.maximum(R - 1 - j, 0)
@@ -190,7 +211,8 @@ def _tier_partials(method, state, layer, q, n_hi: int, n_lo: int, work: pdk.Work
         tiers.append(pdk.TierInput(fmt, keys, values, (state.k_meta, state.v_meta), pages[-1],
                                    state.n_tok[:S, layer, :, tier]))
     tokens = method.token_tiles
-    parts = pdk.paged_decode_partials(qg, tiers, group=G, cfg=_launch(True, D, tokens),
+    parts = pdk.paged_decode_partials(qg, tiers, group=G,
+                                      cfg=_launch(True, D, tokens, tier_weights(present)),
                                       work=work, padded_stats=padded_stats,
                                       padded_rows=_tile_rows(G, tokens))
     return qg, parts, pages

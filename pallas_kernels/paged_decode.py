@@ -168,6 +168,12 @@ class LaunchConfig:
     # of 4) is padded to 8 instead of 16: half the tensor-core work, accumulator and
     # softmax registers per token. The caller passes ``padded_rows`` (or q) of 8.
     transposed: bool = False
+    # Work units per page of each tier, in the launch's tier order (() or a shorter
+    # tuple: 1 for the rest). A work list's page ranges count these units, so
+    # :func:`plan_work` of :func:`row_pages` with the same weights gives items of
+    # about equal cost when a tier's page costs more than another's (K4V2's
+    # 64-slot pages take about twice a K8V4 page's time).
+    tier_weights: tuple = ()
 
     def __post_init__(self):
         if self.dot_dtype not in ("float16", "float32"):
@@ -178,6 +184,12 @@ class LaunchConfig:
             raise ValueError("page_lanes and sub_slots cannot be combined")
         if self.transposed and self.sub_slots:
             raise ValueError("transposed and sub_slots cannot be combined")
+        if any(int(w) != w or w < 1 for w in self.tier_weights):
+            raise ValueError(f"tier_weights must be positive integers, got {self.tier_weights}")
+
+    def weight(self, tier: int) -> int:
+        """Work units per page of tier ``tier`` (:attr:`tier_weights`)."""
+        return int(self.tier_weights[tier]) if tier < len(self.tier_weights) else 1
 
     def lanes(self, padded_rows: int, group: int) -> int:
         """Page lanes of a launch whose queries have ``padded_rows`` rows of which
@@ -325,9 +337,11 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
         n_tok = ntok_ref[s_i, h_i]
         row_pages = (n_tok + fmt.slots - 1) // fmt.slots
-        # The item's pages of this tier: [begin, end) shifted past the earlier tiers.
-        first = jnp.clip(begin - offset, 0, row_pages)
-        last = jnp.clip(end - offset, 0, row_pages)
+        # The item's pages of this tier: the units [begin, end) shifted past the
+        # earlier tiers; a page belongs to the item holding its first unit.
+        wt = cfg.weight(t)
+        first = jnp.clip(-((offset - begin) // wt), 0, row_pages)
+        last = jnp.clip(-((offset - end) // wt), 0, row_pages)
         # Loop steps over parts of ``cap`` slots (whole pages unless cfg.sub_slots).
         cap = fmt.slots
         if fmt.quantized and 0 < cfg.sub_slots < fmt.slots:
@@ -464,9 +478,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
 
         if n_lanes > 1 and cap <= cfg.lane_slots:
             steps = (last - first + n_lanes - 1) // n_lanes
-            return lax.fori_loop(0, steps, lane_body, carry), offset + row_pages
+            return lax.fori_loop(0, steps, lane_body, carry), offset + row_pages * wt
         return (lax.fori_loop(first * n_sub, last * n_sub, body, carry),
-                offset + row_pages)
+                offset + row_pages * wt)
 
     acc_shape, r_shape = ((w, Gp), (RW, Gp)) if tr else ((Gp, w), (Gp, RW))
     carry = ([jnp.zeros(acc_shape, jnp.float32)] * parts,
@@ -520,7 +534,9 @@ class WorkList:
 
     ``items [N, 4]`` int32 ``(s, h, begin, end)``: item ``w`` attends row ``(s, h)``
     over pages ``[begin, end)`` of the row's tiers laid end to end (its high pages,
-    then its low pages); ``seg [N]`` is ``s * H + h``, or ``num_rows`` (``S * H``) for
+    then its low pages), counted in work units where the launch weighs a tier's
+    pages (``LaunchConfig.tier_weights``: a page is the item's whose range holds
+    its first unit); ``seg [N]`` is ``s * H + h``, or ``num_rows`` (``S * H``) for
     an unused item (``begin == end``), which the merge drops. ``ranges [num_rows, 2]``
     (from :func:`plan_work`; None otherwise): each row's first item and item count
     (a row's items are consecutive), for a merge that walks a row's items itself.
@@ -536,9 +552,13 @@ class WorkList:
         return self.items.shape[0]
 
 
-def row_pages(tiers: Sequence[TierInput], active=None):
-    """Pages of each row, all tiers together ``[S, H]`` (0 where not ``active [S]``)."""
-    total = sum((t.n_tok.astype(jnp.int32) + t.fmt.slots - 1) // t.fmt.slots for t in tiers)
+def row_pages(tiers: Sequence[TierInput], active=None, weights: Sequence[int] = ()):
+    """Pages of each row, all tiers together ``[S, H]`` (0 where not ``active [S]``),
+    each tier's pages counted ``weights[t]`` times (``LaunchConfig.tier_weights``;
+    1 where not given)."""
+    weights = tuple(weights) + (1,) * (len(tiers) - len(weights))
+    total = sum((t.n_tok.astype(jnp.int32) + t.fmt.slots - 1) // t.fmt.slots * w
+                for t, w in zip(tiers, weights))
     return total if active is None else jnp.where(active[:, None], total, 0)
 
 
@@ -575,12 +595,13 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2) -> WorkList:
     return WorkList(items, jnp.where(used, seg, S * H).astype(jnp.int32), S * H, ranges)
 
 
-def even_work(tiers: Sequence[TierInput], num_splits: int) -> WorkList:
-    """``num_splits`` items per row, sharing its pages evenly (items in ``(s, h, k)``
-    order)."""
+def even_work(tiers: Sequence[TierInput], num_splits: int,
+              weights: Sequence[int] = ()) -> WorkList:
+    """``num_splits`` items per row, sharing its pages (counted with ``weights``, as
+    :func:`row_pages`) evenly (items in ``(s, h, k)`` order)."""
     S, H = tiers[0].n_tok.shape
     K = num_splits
-    pages = row_pages(tiers)[..., None]
+    pages = row_pages(tiers, weights=weights)[..., None]
     per = -(-pages // K)
     begin = jnp.minimum(jnp.arange(K) * per, pages)
     end = jnp.minimum(begin + per, pages)
@@ -605,7 +626,8 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
       tiers: the tiers of each row, in the order their pages are walked.
       group: real query rows per KV head (<= ``Gp``; default ``Gp``); the outputs
         hold these rows only.
-      work: the launch's work items (e.g. :func:`plan_work` of :func:`row_pages`);
+      work: the launch's work items (e.g. :func:`plan_work` of :func:`row_pages`
+        with ``cfg.tier_weights``);
         None: ``cfg.num_splits`` items per row sharing its pages evenly
         (:func:`even_work`).
     Returns:
@@ -645,7 +667,7 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
                                  "offsets); use a pool of at most 2^31 elements or over 4 GiB")
     listed = work is not None
     if not listed:
-        work = even_work(tiers, cfg.num_splits)
+        work = even_work(tiers, cfg.num_splits, cfg.tier_weights)
     N = work.size
     whole = lambda a: pl.BlockSpec(a.shape, lambda w: (0,) * a.ndim)  # noqa: E731
     dummy = jnp.zeros((1, 1), jnp.uint32)

@@ -32,11 +32,19 @@ the items in one launch (:func:`pallas_kernels.row_merge.merge_rows`),
 ``--merge segments`` with XLA's segment reductions
 (:func:`pallas_kernels.paged_decode.merge_work`).
 
+``--tune "w=1-2;ls=64,w=1-2;n=3168"`` times every quantized variant once per
+setting besides the engine's own launch: ``w`` the tiers' work units per page
+(``LaunchConfig.tier_weights``, high-low), ``ls`` the longest pages the page lanes
+walk (``LaunchConfig.lane_slots``), ``n`` the launch's work items, ``st`` / ``nw``
+its pipeline stages and warps; labelled
+``<variant>/tokens[setting]``.
+
     python scripts/bench_attention.py                     # the full grid
     python scripts/bench_attention.py --models llama3-8b --batches 32,128 --contexts 4096
 """
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -62,6 +70,10 @@ def main() -> int:
                    help="our work items planned once per chained call, or in every launch")
     p.add_argument("--merge", default="rows", choices=("rows", "segments"),
                    help="our items merged by one launch (rows) or XLA segment reductions")
+    p.add_argument("--tune", default="",
+                   help="';'-separated launch settings to time besides the engine's, "
+                        "each a ','-list of w=HI-LO (tier weights), ls=N (lane slots), "
+                        "n=N (work items), st=N (pipeline stages), nw=N (warps)")
     p.add_argument("--copy-gib", type=float, default=4.0,
                    help="size of the copy that measures the bandwidth")
     p.add_argument("--json", default="results/bench_attention.json")
@@ -71,7 +83,7 @@ def main() -> int:
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
-    from diffkv_jax.diffkv_kernel_attention import _launch, work_items
+    from diffkv_jax.diffkv_kernel_attention import HI, LO, _launch, tier_weights, work_items
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import (SHAPES, case_reference, copy_bandwidth, random_case,
@@ -82,12 +94,30 @@ def main() -> int:
 
     merge = merge_rows if args.merge == "rows" else pdk.merge_work
 
-    def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries"):
+    def parse_setting(text):
+        out = {}
+        for part in filter(None, text.split(",")):
+            k, _, val = part.partition("=")
+            if k == "w":
+                out["tier_weights"] = tuple(int(x) for x in val.split("-"))
+            elif k == "ls":
+                out["lane_slots"] = int(val)
+            elif k == "n":
+                out["items"] = int(val)
+            elif k == "st":
+                out["num_stages"] = int(val)
+            elif k == "nw":
+                out["num_warps"] = int(val)
+            else:
+                raise SystemExit(f"--tune: unknown setting {k!r} (w, ls, n, st, nw)")
+        return out
+
+    def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
         nq, H, D = SHAPES[model]
         G = nq // H
         if v == "jax-bf16":
             ps, per_row = 16, N // 16
-            if H * S * per_row * ps * D >= 2**31:
+            if not pdk.addressable(H * S * per_row * ps * D, 2):
                 print(f"skip jax-bf16 {model} B={S} N={N}: its pools need 64-bit "
                       "offsets", flush=True)
                 return None
@@ -106,12 +136,19 @@ def main() -> int:
         # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
         lane_dim = 0 if mix == "bf16" else D
         transposed = tiles == "tokens" and mix != "bf16"
+        tune = parse_setting(setting)
+        n_tiers = len(tiers)
+        # The engine's work units per page of each tier, unless the setting names them.
+        weights = tune.get("tier_weights", tier_weights((HI, LO)[:n_tiers]))[:n_tiers]
         cfg = _launch(emit_logits=mix.startswith("diffkv"), head_dim=lane_dim,
-                      transposed=transposed)
+                      transposed=transposed, weights=weights)
+        cfg = dataclasses.replace(cfg, **{k: tune[k] for k in ("lane_slots", "num_stages",
+                                                                "num_warps") if k in tune})
         tile_rows = pdk.tile_rows(G, transposed)
+        n_items = tune.get("items") or work_items(S, H)
 
         def plan(tiers):
-            return pdk.plan_work(pdk.row_pages(tiers), work_items(tiers[0].n_tok.shape[0], H))
+            return pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items)
 
         def launch(qg, work, tiers, cfg=cfg):
             o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg, work=work,
@@ -165,12 +202,17 @@ def main() -> int:
                 if "queries" not in args.kernel_tiles.split(","):
                     runs = [(v, t) for v, t in runs
                             if t == "tokens" or v in ("jax-bf16", "ours-bf16")]
-                for v, tiles in runs:
+                quantized = [(v, t) for v, t in runs if v not in ("jax-bf16", "ours-bf16")]
+                runs = [(v, t, "") for v, t in runs]
+                runs += [(v, t, st) for st in filter(None, args.tune.split(";"))
+                         for v, t in quantized]
+                for v, tiles, setting in runs:
                     label = v if tiles == "queries" else f"{v}/tokens"
+                    label += f"[{setting}]" if setting else ""
                     try:
                         # (the same random case for both tilings of a variant)
                         res[label] = run_variant(v, model, S, N, q, qg, kq, key,
-                                                 variants.index(v), tiles)
+                                                 variants.index(v), tiles, setting)
                     except Exception as e:  # report and keep going (e.g. an unaddressable pool)
                         print(f"skip {label} {model} B={S} N={N}: {type(e).__name__}: "
                               f"{str(e).splitlines()[0][:160]}", flush=True)
@@ -184,12 +226,13 @@ def main() -> int:
                                      speedup_vs_jax=None if base is None else base / ms))
                 save()
                 print(f"done {model} B={S} N={N}", flush=True)
-    print(f"\n{'model':13s} {'B':>4s} {'N':>6s} {'variant':20s} {'ms':>8s} {'MB':>8s} "
+    width = max([20] + [len(r["variant"]) for r in rows])
+    print(f"\n{'model':13s} {'B':>4s} {'N':>6s} {'variant':{width}s} {'ms':>8s} {'MB':>8s} "
           f"{'TB/s':>6s} {'%copy':>6s} {'vs jax':>7s} {'rel.err':>8s}")
     for r in rows:
         sp = "" if r["speedup_vs_jax"] is None else f"{r['speedup_vs_jax']:6.2f}x"
         er = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
-        print(f"{r['model']:13s} {r['batch']:4d} {r['context']:6d} {r['variant']:20s} "
+        print(f"{r['model']:13s} {r['batch']:4d} {r['context']:6d} {r['variant']:{width}s} "
               f"{r['ms']:8.3f} {r['bytes'] / 1e6:8.1f} {r['tbps']:6.2f} "
               f"{r['frac_copy_bw']:6.1%} {sp:>7s} {er:>8s}")
     return 0

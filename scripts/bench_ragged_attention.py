@@ -69,7 +69,7 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from diffkv_jax.diffkv_kernel_attention import _launch, work_items
+    from diffkv_jax.diffkv_kernel_attention import _launch, tier_weights, work_items
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import time_launch_ms
@@ -160,7 +160,7 @@ def main() -> int:
                 res[f"even-{K}"] = (timed(even, qg, tiers), even(qg, tiers)[0])
             # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
             lane_dim = D if method == "diffkv" else 0
-            cfg = _launch(emit, lane_dim)
+            cfg = _launch(emit, lane_dim, weights=tier_weights() if method == "diffkv" else ())
             launches = [("work", cfg, work_items(S, H), args.min_pages, (0, 1))]
             launches += [(f"work-{n}", cfg, n, args.min_pages, (0, 1))
                          for n in (int(n) for n in args.items.split(",") if n)]
@@ -172,7 +172,8 @@ def main() -> int:
                 @jax.jit
                 def work(qr, tiers, act, cfg=lcfg, n_items=n_items, min_pages=min_pages,
                          merge=merge):
-                    wl = pdk.plan_work(pdk.row_pages(tiers, act), n_items, min_pages=min_pages)
+                    wl = pdk.plan_work(pdk.row_pages(tiers, act, cfg.tier_weights), n_items,
+                                       min_pages=min_pages)
                     # As the caches call it: q's real rows, padded in the kernel.
                     rows = pdk.tile_rows(G, cfg.transposed and method != "bf16")
                     o, m, l, lg = pdk.paged_decode_partials(qr, tiers, group=G, cfg=cfg,

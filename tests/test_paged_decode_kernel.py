@@ -60,10 +60,11 @@ TIER_SETS = {
 
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
                  seed=0, work_items=None, sub_slots=0, page_lanes=1, rows_in_kernel=False,
-                 transposed=False):
+                 transposed=False, tier_weights=(), lane_slots=32):
     """``work_items``: launch over :func:`pdk.plan_work` items (rows 1 and 4 inactive)
     instead of ``splits`` even splits per row. ``rows_in_kernel``: q keeps its ``G``
-    rows and the kernel pads them to ``pad`` itself (``padded_rows``)."""
+    rows and the kernel pads them to ``pad`` itself (``padded_rows``).
+    ``tier_weights``: work units per page of each tier, in the plan and the launch."""
     rng = np.random.default_rng(seed)
     S, H, P, NP = (3, 2, 24, 3) if work_items is None else (5, 2, 40, 5)
     tiers, refs = [], []
@@ -73,14 +74,16 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
         refs.append((kh, vh, tier.n_tok))
     q = jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32)
     cfg = pdk.LaunchConfig(num_splits=splits, dot_dtype=dot_dtype, lazy_rescale=lazy,
-                           sub_slots=sub_slots, page_lanes=page_lanes, transposed=transposed)
+                           sub_slots=sub_slots, page_lanes=page_lanes, transposed=transposed,
+                           tier_weights=tier_weights, lane_slots=lane_slots)
     qk = q if pad is None or rows_in_kernel else pdk.pad_group(q, pad)
     padded_rows = pdk.padded_group(G, pad) if rows_in_kernel else None
     active = np.ones(S, bool)
     work = None
     if work_items is not None:
         active[[1, 4]] = False
-        work = pdk.plan_work(pdk.row_pages(tiers, jnp.asarray(active)), work_items)
+        work = pdk.plan_work(pdk.row_pages(tiers, jnp.asarray(active), tier_weights),
+                             work_items)
     o, m, l, logits = pdk.paged_decode_partials(qk, tiers, group=G, cfg=cfg, work=work,
                                                 interpret=interpret, padded_rows=padded_rows)
     assert o.shape[-2] == G and m.shape[-1] == G and l.shape[-1] == G
@@ -242,6 +245,44 @@ def test_token_tiles_match_reference(tier_set, D, G, lanes, work_items):
                  rows_in_kernel=work_items is not None, transposed=True)
     check_kernel(tier_set, D, G, 2, interpret=True, dot_dtype="float16", tol=3e-2, pad=8,
                  page_lanes=lanes, seed=70 + G, lazy=False, transposed=True)
+
+
+@pytest.mark.parametrize("weights", [(1, 2), (2, 3), (1, 3), (3, 1)])
+@pytest.mark.parametrize("work_items", [None, 11, 16, 64])
+def test_weighted_work_units_match_reference(weights, work_items):
+    # Items cut in work units where a low page counts several (LaunchConfig.tier_weights):
+    # each page still belongs to exactly one item of its row, whatever the cut.
+    check_kernel("k8v4+k4v2", 64, 3, 3, interpret=True, dot_dtype="float32", tol=1e-4,
+                 work_items=work_items, seed=sum(weights) + (work_items or 0),
+                 tier_weights=weights)
+    check_kernel("k8v4+k4v2 wide", 128, 4, 2, interpret=True, dot_dtype="float32", tol=1e-4,
+                 pad=8, page_lanes=2, work_items=work_items, seed=5 + (work_items or 0),
+                 rows_in_kernel=work_items is not None, transposed=True,
+                 tier_weights=weights)
+
+
+def test_weighted_plan_balances_the_units():
+    # A row of 8 high and 4 low pages at weights (1, 2) holds 16 units: with items of
+    # 4 units each takes 4 high pages or 2 low ones.
+    caps = [16, 32]
+    tiers = [pdk.TierInput(pdk.TierFormat(8, 4, 64, c), None, None, None, None,
+                           jnp.asarray([[n]], jnp.int32)) for c, n in zip(caps, [128, 128])]
+    units = pdk.row_pages(tiers, weights=(1, 2))
+    assert int(units[0, 0]) == 8 + 2 * 4
+    work = pdk.plan_work(units, 5, min_pages=4)
+    used = np.asarray(work.items)[np.asarray(work.seg) == 0]
+    assert [tuple(x[2:]) for x in used] == [(0, 4), (4, 8), (8, 12), (12, 16)]
+    with pytest.raises(ValueError, match="tier_weights"):
+        pdk.LaunchConfig(tier_weights=(1, 0))
+
+
+@pytest.mark.parametrize("work_items", [None, 16])
+def test_page_lanes_over_64_slot_pages_match_reference(work_items):
+    # lane_slots=64: K4V2's 64-slot pages walked by both lanes too.
+    check_kernel("k8v4+k4v2 wide", 128, 4, 2, interpret=True, dot_dtype="float32", tol=1e-4,
+                 pad=8, page_lanes=2, work_items=work_items, seed=17,
+                 rows_in_kernel=work_items is not None, transposed=True, lane_slots=64,
+                 tier_weights=(1, 2))
 
 
 def test_token_tiles_leave_16bit_launches_alone():
@@ -416,6 +457,19 @@ def test_gpu_lowering_accumulates_in_the_mma():
     assert len(dots) == (1 + 4 + 1) + (2 + 4 + 1)
     for name, *_ in dots:
         assert not re.search(rf"arith\.addf [^\n]*{re.escape(name)}(?![\w#])", ir), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights,lane_slots", [((1, 2), 32), ((1, 3), 32), ((1, 2), 64)])
+@pytest.mark.parametrize("D,G", [(128, 4), (64, 3)])
+def test_compiled_weighted_work_units_match_reference_on_gpu(weights, lane_slots, D, G):
+    check_kernel("k8v4+k4v2 wide", D, G, 2, interpret=False, dot_dtype="float16", tol=3e-2,
+                 pad=8, page_lanes=2, work_items=16, seed=100 + sum(weights) + lane_slots,
+                 rows_in_kernel=True, transposed=True, tier_weights=weights,
+                 lane_slots=lane_slots)
+    check_kernel("k8v4+k4v2 wide", D, G, 3, interpret=False, dot_dtype="float16", tol=3e-2,
+                 pad=8, page_lanes=2, seed=110 + sum(weights), transposed=True,
+                 tier_weights=weights, lane_slots=lane_slots)
 
 
 @pytest.mark.gpu
