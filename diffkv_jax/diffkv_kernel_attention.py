@@ -28,6 +28,20 @@ HI, LO = 0, 1
 WORK_ITEMS = 2048
 
 
+#: Work items the GPU runs at once, for :func:`pdk.plan_work`'s ``wave`` (None: off).
+#: The one-warp decode programs fit 8 to a multiprocessor, 1,056 on an H200; with
+#: items planned to fill one wave (1,024), uniform Llama3-8B batches of 32 rows
+#: took 0.205 instead of 0.239 ms at 16K (50/50 mix) and 0.066 instead of
+#: 0.084 ms at 4K (docs/benchmarks.md 3.0.0e). Off until measured on ragged
+#: serving batches, where two waves of shorter items may balance better.
+WAVE_ITEMS = None
+
+
+def plan_wave() -> int | None:
+    """:data:`WAVE_ITEMS` where the kernels run compiled on a GPU, else None."""
+    return WAVE_ITEMS if backend.on_gpu() else None
+
+
 def work_items(S: int, H: int) -> int:
     """Static work items of a launch over ``S x H`` rows (:func:`pdk.plan_work`).
 
@@ -103,7 +117,7 @@ def plan_full_work(lengths, active, page_size: int, H: int) -> pdk.WorkList:
     S = lengths.shape[0]
     pages = jnp.broadcast_to((lengths.astype(jnp.int32) + page_size - 1) // page_size
                              * active, (H, S)).T
-    return pdk.plan_work(pages, work_items(S, H))
+    return pdk.plan_work(pages, work_items(S, H), wave=plan_wave())
 
 
 def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work: pdk.WorkList,
@@ -151,7 +165,7 @@ def plan_decode_work(method, state, active) -> pdk.WorkList:
     N = work_items(S, H)
 
     def plan(p):
-        w = pdk.plan_work(p, N)
+        w = pdk.plan_work(p, N, wave=plan_wave())
         return w.items, w.seg, w.ranges
 
     items, seg, ranges = jax.vmap(plan)(pages)

@@ -562,7 +562,8 @@ def row_pages(tiers: Sequence[TierInput], active=None, weights: Sequence[int] = 
     return total if active is None else jnp.where(active[:, None], total, 0)
 
 
-def plan_work(pages, num_items: int, *, min_pages: int = 2) -> WorkList:
+def plan_work(pages, num_items: int, *, min_pages: int = 2,
+              wave: int | None = None) -> WorkList:
     """Balanced work items over the rows' pages ``[S, H]`` (:func:`row_pages`), on the
     device.
 
@@ -571,6 +572,11 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2) -> WorkList:
     ``num_items`` items: long and short rows then cost the same per program and
     no program waits for the longest row, whatever the mix of lengths. Rows with
     no pages get no item. Needs ``num_items > S * H``.
+
+    ``wave``: the programs the GPU runs at once. ``C`` is then the smallest count
+    whose items number at most ``wave`` (found by bisection), so equal rows fill
+    one wave exactly instead of leaving a partial second wave; where the active
+    rows alone outnumber ``wave``, the rule above.
     """
     S, H = pages.shape
     if num_items <= S * H:
@@ -579,6 +585,20 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2) -> WorkList:
     total, rows = jnp.sum(flat), jnp.sum(flat > 0)
     # sum(ceil(n / C)) <= total / C + rows <= num_items by this choice of C.
     per_item = jnp.maximum(-(-total // jnp.maximum(num_items - rows, 1)), min_pages)
+    if wave is not None:
+        target = min(wave, num_items)
+        fits = lambda c: jnp.sum(-(-flat // c)) <= target  # noqa: E731
+
+        def bisect(_, lo_hi):
+            lo, hi = lo_hi
+            mid = (lo + hi) // 2
+            ok = fits(mid)
+            return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+        hi = jnp.maximum(jnp.max(flat), min_pages)  # one item per row: `rows` items
+        # 32 halvings narrow any int32 range to one count.
+        in_wave = lax.fori_loop(0, 32, bisect, (jnp.int32(min_pages), hi))[1]
+        per_item = jnp.where(rows <= target, in_wave, per_item)
     count = -(-flat // per_item)
     ends = jnp.cumsum(count)
     w = jnp.arange(num_items, dtype=jnp.int32)

@@ -35,8 +35,9 @@ the items in one launch (:func:`pallas_kernels.row_merge.merge_rows`),
 ``--tune "w=1-2;ls=64,w=1-2;n=3168"`` times every quantized variant once per
 setting besides the engine's own launch: ``w`` the tiers' work units per page
 (``LaunchConfig.tier_weights``, high-low), ``ls`` the longest pages the page lanes
-walk (``LaunchConfig.lane_slots``), ``n`` the launch's work items, ``st`` / ``nw``
-its pipeline stages and warps; labelled
+walk (``LaunchConfig.lane_slots``), ``n`` the launch's work items, ``wave`` the
+items planned to run at once (``plan_work(wave=)``, 0: off), ``st`` / ``nw`` its
+pipeline stages and warps; labelled
 ``<variant>/tokens[setting]``.
 
     python scripts/bench_attention.py                     # the full grid
@@ -73,7 +74,8 @@ def main() -> int:
     p.add_argument("--tune", default="",
                    help="';'-separated launch settings to time besides the engine's, "
                         "each a ','-list of w=HI-LO (tier weights), ls=N (lane slots), "
-                        "n=N (work items), st=N (pipeline stages), nw=N (warps)")
+                        "n=N (work items), wave=N (items run at once, 0: off), st=N (pipeline "
+                        "stages), nw=N (warps)")
     p.add_argument("--copy-gib", type=float, default=4.0,
                    help="size of the copy that measures the bandwidth")
     p.add_argument("--json", default="results/bench_attention.json")
@@ -83,7 +85,8 @@ def main() -> int:
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
-    from diffkv_jax.diffkv_kernel_attention import HI, LO, _launch, tier_weights, work_items
+    from diffkv_jax.diffkv_kernel_attention import (HI, LO, _launch, plan_wave, tier_weights,
+                                                    work_items)
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import (SHAPES, case_reference, copy_bandwidth, random_case,
@@ -104,12 +107,14 @@ def main() -> int:
                 out["lane_slots"] = int(val)
             elif k == "n":
                 out["items"] = int(val)
+            elif k == "wave":
+                out["wave"] = int(val) or None
             elif k == "st":
                 out["num_stages"] = int(val)
             elif k == "nw":
                 out["num_warps"] = int(val)
             else:
-                raise SystemExit(f"--tune: unknown setting {k!r} (w, ls, n, st, nw)")
+                raise SystemExit(f"--tune: unknown setting {k!r} (w, ls, n, wave, st, nw)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -146,9 +151,10 @@ def main() -> int:
                                                                 "num_warps") if k in tune})
         tile_rows = pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)
+        wave = tune.get("wave", plan_wave())
 
         def plan(tiers):
-            return pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items)
+            return pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items, wave=wave)
 
         def launch(qg, work, tiers, cfg=cfg):
             o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg, work=work,

@@ -19,7 +19,8 @@ emitted). Llama3-8B head shapes.
 ``--variants`` times other settings of the work launch on the same rows, each
 a comma-separated list of ``warps``, ``stages``, ``lanes``, ``tokens`` (1: a
 page's tokens as the dot tiles' rows, ``LaunchConfig.transposed``, queries
-padded to 8), ``items``, ``min_pages``, ``merge`` (0: XLA's segment reductions,
+padded to 8), ``items``, ``min_pages``, ``wave`` (the items planned to run at
+once, ``plan_work(wave=)``; 0: off), ``merge`` (0: XLA's segment reductions,
 ``merge_work``, as the ``work`` launch; n: the one-launch merge,
 ``row_merge.merge_rows``, folding n items per step), ``merge_dims`` (that
 merge's programs per row, each over a block of the head dim) (variants
@@ -69,7 +70,7 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from diffkv_jax.diffkv_kernel_attention import _launch, tier_weights, work_items
+    from diffkv_jax.diffkv_kernel_attention import _launch, plan_wave, tier_weights, work_items
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import time_launch_ms
@@ -83,10 +84,11 @@ def main() -> int:
     fields = {"warps": "num_warps", "stages": "num_stages", "lanes": "page_lanes",
               "tokens": "transposed"}
 
-    def variant(spec: str) -> tuple[dict, int | None, int, tuple[int, int]]:
-        """``(LaunchConfig changes, items or None, min_pages, (merge, merge_dims))`` of one
-        --variants entry."""
-        changes, items, min_pages, merge, dims = {}, None, args.min_pages, 0, 1
+    def variant(spec: str) -> tuple[dict, int | None, dict, tuple[int, int]]:
+        """``(LaunchConfig changes, items or None, plan_work settings, (merge,
+        merge_dims))`` of one --variants entry."""
+        changes, items, merge, dims = {}, None, 0, 1
+        plan = {"min_pages": args.min_pages, "wave": plan_wave()}
         for part in filter(None, spec.split(",")):
             key, _, value = part.partition("=")
             if key in fields:
@@ -94,7 +96,9 @@ def main() -> int:
             elif key == "items":
                 items = int(value)
             elif key == "min_pages":
-                min_pages = int(value)
+                plan["min_pages"] = int(value)
+            elif key == "wave":
+                plan["wave"] = int(value) or None
             elif key == "merge":
                 merge = int(value)
             elif key == "merge_dims":
@@ -103,7 +107,7 @@ def main() -> int:
                 raise SystemExit(f"unknown variant setting {key!r} in {spec!r}")
         if dims > 1 and not merge:
             raise SystemExit(f"merge_dims needs merge=N (the one-launch merge) in {spec!r}")
-        return changes, items, min_pages, (merge, dims)
+        return changes, items, plan, (merge, dims)
 
     variants = [(spec, *variant(spec)) for spec in filter(None, args.variants.split(";"))]
 
@@ -161,19 +165,19 @@ def main() -> int:
             # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
             lane_dim = D if method == "diffkv" else 0
             cfg = _launch(emit, lane_dim, weights=tier_weights() if method == "diffkv" else ())
-            launches = [("work", cfg, work_items(S, H), args.min_pages, (0, 1))]
-            launches += [(f"work-{n}", cfg, n, args.min_pages, (0, 1))
+            plan = {"min_pages": args.min_pages, "wave": plan_wave()}
+            launches = [("work", cfg, work_items(S, H), plan, (0, 1))]
+            launches += [(f"work-{n}", cfg, n, plan, (0, 1))
                          for n in (int(n) for n in args.items.split(",") if n)]
             launches += [(spec, dataclasses.replace(cfg, **changes),
                           items or work_items(S, H), mp, merge)
                          for spec, changes, items, mp, merge in variants]
-            for name, lcfg, n_items, min_pages, merge in launches:
+            for name, lcfg, n_items, plan, merge in launches:
 
                 @jax.jit
-                def work(qr, tiers, act, cfg=lcfg, n_items=n_items, min_pages=min_pages,
-                         merge=merge):
+                def work(qr, tiers, act, cfg=lcfg, n_items=n_items, plan=plan, merge=merge):
                     wl = pdk.plan_work(pdk.row_pages(tiers, act, cfg.tier_weights), n_items,
-                                       min_pages=min_pages)
+                                       **plan)
                     # As the caches call it: q's real rows, padded in the kernel.
                     rows = pdk.tile_rows(G, cfg.transposed and method != "bf16")
                     o, m, l, lg = pdk.paged_decode_partials(qr, tiers, group=G, cfg=cfg,

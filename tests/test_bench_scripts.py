@@ -33,13 +33,14 @@ def test_ragged_attention_benchmark_checks_its_launches(tmp_path):
     out = tmp_path / "ragged.json"
     run_script("bench_ragged_attention.py", "--slots", "4", "--active", "2", "--min-len", "40",
                "--max-len", "200", "--methods", "diffkv,bf16", "--splits", "1",
-               "--variants", "min_pages=4;tokens=1;merge=4;merge=2,merge_dims=4", "--chain", "2",
+               "--variants", "min_pages=4;tokens=1;merge=4;merge=2,merge_dims=4;wave=6",
+               "--chain", "2",
                "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     launches = {(r["method"], r["launch"]) for r in rows}
     assert launches == {(m, n) for m in ("diffkv", "bf16")
                         for n in ("even-1", "work", "min_pages=4", "tokens=1", "merge=4",
-                                  "merge=2,merge_dims=4")}
+                                  "merge=2,merge_dims=4", "wave=6")}
     for r in rows:
         # Against the first launch (even splits): the same attention; on the CPU the
         # caches' launch takes float32 dots, the even-split one float16 codes (~1e-3).
@@ -66,12 +67,13 @@ def test_attention_benchmark_times_launch_settings(tmp_path):
     out = tmp_path / "tuned.json"
     run_script("bench_attention.py", "--models", "llama3-8b", "--batches", "2",
                "--contexts", "512", "--variants", "diffkv-50/50", "--kernel-tiles", "tokens",
-               "--tune", "w=1-2;ls=64,w=1-3;n=40", "--chain", "2", "--copy-gib", "0.05",
+               "--tune", "w=1-2;ls=64,w=1-3;n=40;wave=12", "--chain", "2", "--copy-gib", "0.05",
                "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == [
         "diffkv-50/50/tokens", "diffkv-50/50/tokens[w=1-2]",
-        "diffkv-50/50/tokens[ls=64,w=1-3]", "diffkv-50/50/tokens[n=40]"]
+        "diffkv-50/50/tokens[ls=64,w=1-3]", "diffkv-50/50/tokens[n=40]",
+        "diffkv-50/50/tokens[wave=12]"]
     for r in rows:  # every setting checked against the plain-jnp reference
         assert r["rel_err"] < 5e-3 and r["ms"] > 0
 

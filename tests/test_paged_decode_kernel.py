@@ -172,6 +172,48 @@ def test_plan_work_covers_every_page_once_in_balanced_items(seed):
         pdk.plan_work(pdk.row_pages(tiers), S * H)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_plan_work_in_one_wave_takes_the_smallest_count_that_fits(seed):
+    rng = np.random.default_rng(100 + seed)
+    S, H = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+    pages = rng.integers(0, 400, size=(S, H))
+    if seed == 0:
+        pages[:] = 64  # equal rows: the wave filled exactly
+    pages[rng.random((S, H)) < 0.2] = 0
+    rows = int((pages > 0).sum())
+    wave = rows + int(rng.integers(0, 60)) if seed != 5 else max(rows - 1, 1)
+    N = S * H + 80
+    work = pdk.plan_work(jnp.asarray(pages, jnp.int32), N, min_pages=2, wave=wave)
+    items, seg = np.asarray(work.items), np.asarray(work.seg)
+    used = seg < S * H
+    for r in range(S * H):  # every page of every row once, in order
+        mine = items[seg == r]
+        covered = np.zeros(pages.reshape(-1)[r], int)
+        for _, _, b, e in mine:
+            covered[b:e] += 1
+        assert np.all(covered == 1)
+    longest = int((items[used, 3] - items[used, 2]).max(initial=0))
+    count = lambda c: int(np.sum(-(-pages // c)))  # noqa: E731
+    if rows <= wave:
+        assert used.sum() <= wave
+        # The smallest count that fits: one page fewer per item overflows the wave.
+        C = max(longest, 2)
+        assert count(C) <= wave and (C == 2 or count(C - 1) > wave)
+    else:  # the rows alone exceed the wave: the plan without it
+        plain = pdk.plan_work(jnp.asarray(pages, jnp.int32), N, min_pages=2)
+        assert np.array_equal(items, np.asarray(plain.items))
+    if seed == 0:
+        assert used.sum() == count(longest) <= wave
+        # As the DiffKV step plans every layer at once: vmapped, the same items.
+        import jax
+
+        layers = jnp.stack([jnp.asarray(pages, jnp.int32), jnp.asarray(pages // 3, jnp.int32)])
+        both = jax.vmap(lambda p: pdk.plan_work(p, N, wave=wave).items)(layers)
+        assert np.array_equal(np.asarray(both[0]), items)
+        one = pdk.plan_work(layers[1], N, wave=wave).items
+        assert np.array_equal(np.asarray(both[1]), np.asarray(one))
+
+
 @pytest.mark.parametrize("tier_set,sub", [("k8v4+k4v2", 16), ("k8v4+k4v2 wide", 16),
                                           ("k8v4+k4v2 wide", 32), ("k4v4", 16)])
 @pytest.mark.parametrize("work_items", [None, 16])
