@@ -29,11 +29,12 @@ WORK_ITEMS = 2048
 
 
 #: Work items the GPU runs at once, for :func:`pdk.plan_work`'s ``wave`` (None: off).
-#: The one-warp decode programs fit 8 to a multiprocessor, 1,056 on an H200; with
-#: items planned to fill one wave (1,024), uniform Llama3-8B batches of 32 rows
-#: took 0.205 instead of 0.239 ms at 16K (50/50 mix) and 0.066 instead of
-#: 0.084 ms at 4K (docs/benchmarks.md 3.0.0e). Off until measured on ragged
-#: serving batches, where two waves of shorter items may balance better.
+#: The one-warp decode programs fit about 8 to a multiprocessor (1,056 on an
+#: H200, as the timings suggest). With items planned to fill one wave (1,024),
+#: uniform Llama3-8B batches of 32 rows took 0.205 instead of 0.239 ms at 16K
+#: (50/50 mix) and 0.066 instead of 0.084 ms at 4K (docs/benchmarks.md 3.0.0e).
+#: Off until measured on ragged serving batches, where two waves of shorter
+#: items may balance better.
 WAVE_ITEMS = None
 
 
