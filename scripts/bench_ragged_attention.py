@@ -84,11 +84,14 @@ def main() -> int:
     fields = {"warps": "num_warps", "stages": "num_stages", "lanes": "page_lanes",
               "tokens": "transposed"}
 
+    # plan_work's settings as the caches plan (with --min-pages), unless a variant names them.
+    default_plan = {"min_pages": args.min_pages, "wave": plan_wave()}
+
     def variant(spec: str) -> tuple[dict, int | None, dict, tuple[int, int]]:
         """``(LaunchConfig changes, items or None, plan_work settings, (merge,
         merge_dims))`` of one --variants entry."""
         changes, items, merge, dims = {}, None, 0, 1
-        plan = {"min_pages": args.min_pages, "wave": plan_wave()}
+        plan = dict(default_plan)
         for part in filter(None, spec.split(",")):
             key, _, value = part.partition("=")
             if key in fields:
@@ -165,9 +168,8 @@ def main() -> int:
             # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
             lane_dim = D if method == "diffkv" else 0
             cfg = _launch(emit, lane_dim, weights=tier_weights() if method == "diffkv" else ())
-            plan = {"min_pages": args.min_pages, "wave": plan_wave()}
-            launches = [("work", cfg, work_items(S, H), plan, (0, 1))]
-            launches += [(f"work-{n}", cfg, n, plan, (0, 1))
+            launches = [("work", cfg, work_items(S, H), default_plan, (0, 1))]
+            launches += [(f"work-{n}", cfg, n, default_plan, (0, 1))
                          for n in (int(n) for n in args.items.split(",") if n)]
             launches += [(spec, dataclasses.replace(cfg, **changes),
                           items or work_items(S, H), mp, merge)
