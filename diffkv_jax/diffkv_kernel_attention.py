@@ -28,19 +28,25 @@ HI, LO = 0, 1
 WORK_ITEMS = 2048
 
 
-#: Work items the GPU runs at once, for :func:`pdk.plan_work`'s ``wave`` (None: off).
-#: The one-warp decode programs fit about 8 to a multiprocessor (1,056 on an
-#: H200, as the timings suggest). With items planned to fill one wave (1,024),
-#: uniform Llama3-8B batches of 32 rows took 0.205 instead of 0.239 ms at 16K
-#: (50/50 mix) and 0.066 instead of 0.084 ms at 4K (docs/benchmarks.md 3.0.0e).
-#: Off until measured on ragged serving batches, where two waves of shorter
-#: items may balance better.
-WAVE_ITEMS = None
+#: Decode programs a GPU multiprocessor holds at once, for :func:`pdk.plan_work`'s
+#: ``wave`` (:func:`plan_wave`; None: off). The timings of the one-warp decode
+#: programs fit 8 to a multiprocessor (1,056 on an H200; the ``triton`` package's
+#: sm_90 compile of the two-tier launch reports 219 registers, room for 9). With
+#: items planned to fill one wave, uniform Llama3-8B batches of 32 rows take 0.207
+#: instead of 0.241 ms at 16K (50/50 mix) and 0.068 instead of 0.085 ms at 4K, and
+#: ragged engine-like batches 6 - 8% less (DiffKV) and 13 - 14% less (16-bit
+#: pages) (docs/benchmarks.md 3.0.0f).
+RESIDENT_PROGRAMS = 8
 
 
 def plan_wave() -> int | None:
-    """:data:`WAVE_ITEMS` where the kernels run compiled on a GPU, else None."""
-    return WAVE_ITEMS if backend.on_gpu() else None
+    """Work items the GPU runs at once: :data:`RESIDENT_PROGRAMS` per multiprocessor
+    where the kernels run compiled on a GPU that reports its multiprocessors, else
+    None (no wave: interpret mode runs one program at a time)."""
+    if RESIDENT_PROGRAMS is None or not backend.on_gpu():
+        return None
+    cores = getattr(jax.devices()[0], "core_count", None)
+    return RESIDENT_PROGRAMS * int(cores) if cores else None
 
 
 def work_items(S: int, H: int) -> int:

@@ -12,7 +12,11 @@ Variants (same logical KV: ``context`` tokens per (sequence, KV head)):
 
 Our variants run the kernel as the caches do (balanced work items planned on
 the device, the policy's logits emitted for the DiffKV tiers), plus the exact
-merge of the items. Bytes read = K/V data + metadata + page IDs. Each variant is checked
+merge of the items. Bytes read = K/V data + metadata + page IDs. With ``--chain``,
+a profiler trace of the same chain also times the attention kernels alone
+(``kern.ms``: ours the decode launch and its merge, JAX's its kernel; without
+the chain's per-launch reduction and add, its loop steps and the gaps between
+kernels), with the bandwidth and speed-up on that time. Each variant is checked
 against the plain-jnp reference on two rows of the same geometry first.
 
 ``--kernel-tiles queries,tokens`` times every quantized variant with both dot
@@ -76,6 +80,9 @@ def main() -> int:
                         "each a ','-list of w=HI-LO (tier weights), ls=N (lane slots), "
                         "n=N (work items), wave=N (items run at once, 0: off), st=N (pipeline "
                         "stages), nw=N (warps)")
+    p.add_argument("--no-kernel-time", action="store_true",
+                   help="with --chain, skip the profiler trace that times the attention "
+                        "kernels alone")
     p.add_argument("--copy-gib", type=float, default=4.0,
                    help="size of the copy that measures the bandwidth")
     p.add_argument("--json", default="results/bench_attention.json")
@@ -89,11 +96,20 @@ def main() -> int:
                                                     work_items)
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
-    from scripts.decode_cases import (SHAPES, case_reference, copy_bandwidth, random_case,
-                                      time_launch_ms)
+    from scripts.decode_cases import (SHAPES, case_reference, copy_bandwidth, kernel_ms,
+                                      random_case, time_launch_ms)
 
     def timed(fn, q, *rest, prepare=None):
-        return time_launch_ms(fn, q, *rest, chain=args.chain, prepare=prepare)
+        """``(ms, kernel ms)``: the chained (or back-to-back) time per launch and, with
+        a chain, the attention kernels' own device time per launch (None without)."""
+        ms = time_launch_ms(fn, q, *rest, chain=args.chain, prepare=prepare)
+        if not args.chain or args.no_kernel_time:
+            return ms, None
+        kms, kernels = kernel_ms(fn, q, *rest, launches=args.chain, prepare=prepare)
+        if kms is None and kernels:
+            print("no attention kernel in the trace: "
+                  + ", ".join(f"{n[:40]} {t * 1e3:.1f} us" for n, t in kernels[:6]), flush=True)
+        return ms, kms
 
     merge = merge_rows if args.merge == "rows" else pdk.merge_work
 
@@ -134,7 +150,7 @@ def main() -> int:
                 k_splits=min(16, per_row // 8), block_h=16))
             ms = timed(fn, q / math.sqrt(D), kp, kp, tables, jnp.full((S,), N, jnp.int32))
             del kp
-            return ms, S * H * (N * 4 * D + per_row * 4), None
+            return (*ms, S * H * (N * 4 * D + per_row * 4), None)
         mix = "bf16" if v == "ours-bf16" else v
         tiers, nbytes = random_case(jax.random.fold_in(key, index), mix, S, H, D,
                                     N)
@@ -176,7 +192,7 @@ def main() -> int:
         ms = (timed(launch, qg, tiers, prepare=plan) if args.plan == "step" and args.chain
               else timed(ours, qg, tiers))
         del tiers
-        return ms, nbytes, err
+        return (*ms, nbytes, err)
 
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
 
@@ -224,23 +240,35 @@ def main() -> int:
                               f"{str(e).splitlines()[0][:160]}", flush=True)
                     if res.get(label) is None:
                         res.pop(label, None)
-                base = res.get("jax-bf16", (None,))[0]
-                for v, (ms, nb, err) in res.items():
+                base, kbase = res.get("jax-bf16", (None, None))[:2]
+                for v, (ms, kms, nb, err) in res.items():
                     tb = nb / (ms * 1e-3) / 1e12
+                    ktb = None if kms is None else nb / (kms * 1e-3) / 1e12
                     rows.append(dict(model=model, batch=S, context=N, variant=v, ms=ms, bytes=nb,
                                      tbps=tb, frac_copy_bw=tb / bw, rel_err=err,
-                                     speedup_vs_jax=None if base is None else base / ms))
+                                     speedup_vs_jax=None if base is None else base / ms,
+                                     kernel_ms=kms, kernel_tbps=ktb,
+                                     kernel_frac_copy_bw=None if ktb is None else ktb / bw,
+                                     kernel_speedup_vs_jax=(None if kbase is None or kms is None
+                                                            else kbase / kms)))
                 save()
                 print(f"done {model} B={S} N={N}", flush=True)
     width = max([20] + [len(r["variant"]) for r in rows])
+    # "kernel" columns: the attention kernels' own device time from a profiler trace
+    # of the same chain (ours: the decode launch and its merge; JAX's: its kernel).
     print(f"\n{'model':13s} {'B':>4s} {'N':>6s} {'variant':{width}s} {'ms':>8s} {'MB':>8s} "
-          f"{'TB/s':>6s} {'%copy':>6s} {'vs jax':>7s} {'rel.err':>8s}")
+          f"{'TB/s':>6s} {'%copy':>6s} {'vs jax':>7s} {'rel.err':>8s} {'kern.ms':>8s} "
+          f"{'%copy':>6s} {'vs jax':>7s}")
     for r in rows:
         sp = "" if r["speedup_vs_jax"] is None else f"{r['speedup_vs_jax']:6.2f}x"
         er = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+        km = "" if r["kernel_ms"] is None else f"{r['kernel_ms']:8.3f}"
+        kf = "" if r["kernel_frac_copy_bw"] is None else f"{r['kernel_frac_copy_bw']:6.1%}"
+        ks = ("" if r["kernel_speedup_vs_jax"] is None
+              else f"{r['kernel_speedup_vs_jax']:6.2f}x")
         print(f"{r['model']:13s} {r['batch']:4d} {r['context']:6d} {r['variant']:{width}s} "
               f"{r['ms']:8.3f} {r['bytes'] / 1e6:8.1f} {r['tbps']:6.2f} "
-              f"{r['frac_copy_bw']:6.1%} {sp:>7s} {er:>8s}")
+              f"{r['frac_copy_bw']:6.1%} {sp:>7s} {er:>8s} {km:>8s} {kf:>6s} {ks:>7s}")
     return 0
 
 

@@ -26,6 +26,10 @@ once, ``plan_work(wave=)``; 0: off), ``merge`` (0: XLA's segment reductions,
 merge's programs per row, each over a block of the head dim) (variants
 separated by ``;``), e.g. to tune the launch where the engine runs it:
 
+``--chain L --plan step`` plans the work launches' items once per chained call,
+shared by its ``L`` launches, as a decode step plans them for all its layers
+(``--plan launch``, the default, plans them in every launch).
+
     python scripts/bench_ragged_attention.py --slots 128 --active 14,24,45,64
     python scripts/bench_ragged_attention.py --methods diffkv --active 45,64 --splits 1 \
         --variants "lanes=1;warps=2;stages=4;warps=2,stages=2;min_pages=8"
@@ -63,6 +67,9 @@ def main() -> int:
                    help="time this many launches chained in one call, as a decode step runs "
                         "one per layer (0: separate calls, whose dispatch can exceed the "
                         "launch)")
+    p.add_argument("--plan", default="launch", choices=("launch", "step"),
+                   help="with --chain: the work launches' items planned in every launch, "
+                        "or once per chained call (as a decode step plans all its layers)")
     p.add_argument("--json", default="results/bench_ragged_attention.json")
     args = p.parse_args()
 
@@ -75,8 +82,9 @@ def main() -> int:
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import time_launch_ms
 
-    def timed(fn, q, *rest):
-        return time_launch_ms(fn, q, *rest, chain=args.chain)
+    def timed(fn, q, *rest, prepare=None):
+        return time_launch_ms(fn, q, *rest, chain=args.chain,
+                              prepare=prepare if args.chain and args.plan == "step" else None)
 
     nq, H, D = 32, 8, 128
     G, S = nq // H, args.slots
@@ -176,10 +184,11 @@ def main() -> int:
                          for spec, changes, items, mp, merge in variants]
             for name, lcfg, n_items, plan, merge in launches:
 
-                @jax.jit
-                def work(qr, tiers, act, cfg=lcfg, n_items=n_items, plan=plan, merge=merge):
-                    wl = pdk.plan_work(pdk.row_pages(tiers, act, cfg.tier_weights), n_items,
-                                       **plan)
+                def planned(tiers, act, cfg=lcfg, n_items=n_items, plan=plan):
+                    return pdk.plan_work(pdk.row_pages(tiers, act, cfg.tier_weights), n_items,
+                                         **plan)
+
+                def launch(qr, wl, tiers, act, cfg=lcfg, merge=merge):
                     # As the caches call it: q's real rows, padded in the kernel.
                     rows = pdk.tile_rows(G, cfg.transposed and method != "bf16")
                     o, m, l, lg = pdk.paged_decode_partials(qr, tiers, group=G, cfg=cfg,
@@ -189,8 +198,14 @@ def main() -> int:
                                           dim_blocks=merge[1])[0], lg
                     return pdk.merge_work(o, m, l, wl, S, H)[0], lg
 
+                @jax.jit
+                def work(qr, tiers, act, planned=planned, launch=launch):
+                    return launch(qr, planned(tiers, act), tiers, act)
+
                 try:
-                    res[name] = (timed(work, qr, tiers, act), work(qr, tiers, act)[0])
+                    ms = (timed(launch, qr, tiers, act, prepare=planned)
+                          if args.chain and args.plan == "step" else timed(work, qr, tiers, act))
+                    res[name] = (ms, work(qr, tiers, act)[0])
                 except Exception as e:  # report and keep going
                     print(f"{method} active={A} {name}: FAILED {type(e).__name__}: "
                           f"{str(e).splitlines()[0][:200]}", flush=True)

@@ -102,17 +102,9 @@ def time_ms(fn, *args, reps: int = 20, rounds: int = 5) -> float:
     return ts[len(ts) // 2] * 1e3
 
 
-def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5,
-                    prepare=None) -> float:
-    """Device time of one ``fn(q, *rest)`` (ms), from ``launches`` of them chained in
-    one jitted call, as a decode step runs one attention launch per layer: no host
-    dispatch between them. ``fn`` returns an array, or a tuple that starts with one;
-    each launch takes ``q + 0 * sum(the previous output)`` (with the zero an
-    argument: a reduction and an elementwise op per launch, the same for every
-    variant), so no launch can be hoisted out of the loop and no part of an output
-    left uncomputed. ``prepare(*rest)``, if given, runs once per call, before the
-    chain (what a decode step computes once for all its layers, as the work list):
-    the launches are then ``fn(q, prepared, *rest)`` and its cost is shared by them."""
+def chained_call(fn, launches: int, prepare=None):
+    """A jitted ``chain(q, zero, *rest)`` running ``launches`` of ``fn`` one after the
+    other, as :func:`time_chained_ms` times it."""
     from jax import lax
 
     def total(q, prepared, *rest):
@@ -126,8 +118,47 @@ def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5,
         body = lambda _, q: q + (zero * total(q, prepared, *rest)).astype(q.dtype)  # noqa: E731
         return lax.fori_loop(0, launches, body, q)
 
+    return chain
+
+
+def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5,
+                    prepare=None) -> float:
+    """Device time of one ``fn(q, *rest)`` (ms), from ``launches`` of them chained in
+    one jitted call, as a decode step runs one attention launch per layer: no host
+    dispatch between them. ``fn`` returns an array, or a tuple that starts with one;
+    each launch takes ``q + 0 * sum(the previous output)`` (with the zero an
+    argument: a reduction and an elementwise op per launch, the same for every
+    variant), so no launch can be hoisted out of the loop and no part of an output
+    left uncomputed. ``prepare(*rest)``, if given, runs once per call, before the
+    chain (what a decode step computes once for all its layers, as the work list):
+    the launches are then ``fn(q, prepared, *rest)`` and its cost is shared by them.
+
+    The figure includes what the chain adds per launch (the reduction, the add,
+    the loop's own step); :func:`kernel_ms` gives the kernels' time alone."""
+    chain = chained_call(fn, launches, prepare)
     zero = jnp.float32(0)
     return time_ms(chain, q, zero, *rest, reps=reps, rounds=rounds) / launches
+
+
+#: Name fragments of the attention kernels in a profiler trace: ours (the decode
+#: launch and the one-launch merge) and JAX's Pallas ``paged_attention``.
+ATTENTION_KERNELS = ("paged_decode", "merge_rows", "paged_attention")
+
+
+def kernel_ms(fn, q, *rest, launches: int, prepare=None, names=ATTENTION_KERNELS):
+    """``(ms, kernels)``: the device time per launch of the kernels whose names hold
+    one of ``names``, read from a profiler trace of :func:`chained_call` (without
+    the chain's own reductions, adds and loop steps, or the gaps between
+    kernels), and every kernel's ``(name, ms per launch)``; ms is None where no
+    kernel matched."""
+    from scripts.device_profile import kernel_times
+
+    chain = chained_call(fn, launches, prepare)
+    zero = jnp.float32(0)
+    rows, _, _ = kernel_times(lambda: jax.block_until_ready(chain(q, zero, *rest)), calls=5)
+    per_launch = [(name, ms / launches) for name, ms, _ in rows]
+    hit = [ms for name, ms in per_launch if any(n in name for n in names)]
+    return (sum(hit) if hit else None), per_launch
 
 
 def time_launch_ms(fn, q, *rest, chain: int = 0, prepare=None) -> float:

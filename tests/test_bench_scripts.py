@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -29,12 +31,13 @@ def test_policy_launch_benchmark_checks_its_variants(tmp_path):
         assert r["victims_agree"] == 1.0 and r["max_diff"] < 1e-5 and r["ms"] > 0
 
 
-def test_ragged_attention_benchmark_checks_its_launches(tmp_path):
+@pytest.mark.parametrize("plan", ["launch", "step"])
+def test_ragged_attention_benchmark_checks_its_launches(tmp_path, plan):
     out = tmp_path / "ragged.json"
     run_script("bench_ragged_attention.py", "--slots", "4", "--active", "2", "--min-len", "40",
                "--max-len", "200", "--methods", "diffkv,bf16", "--splits", "1",
                "--variants", "min_pages=4;tokens=1;merge=4;merge=2,merge_dims=4;wave=6",
-               "--chain", "2",
+               "--chain", "2", "--plan", plan,
                "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     launches = {(r["method"], r["launch"]) for r in rows}
@@ -61,6 +64,7 @@ def test_attention_benchmark_checks_and_chains_its_launches(tmp_path):
         "ours-bf16", "diffkv-high", "diffkv-50/50", "diffkv-high/tokens", "diffkv-50/50/tokens"]
     for r in res["rows"]:  # each checked against the plain-jnp reference first
         assert r["rel_err"] < 5e-3 and r["ms"] > 0 and r["bytes"] > 0
+        assert r["kernel_ms"] is None  # no GPU kernels in a CPU trace
 
 
 def test_attention_benchmark_times_launch_settings(tmp_path):
@@ -187,3 +191,31 @@ def test_window_scores_benchmark_checks_its_variants(tmp_path):
                                          "kernel block=64,num_warps=4,lse=True"]
     for r in rows:  # every kernel setting gives the reference's scores
         assert r["rel_err"] < 1e-3 and r["attention_ms"] > 0 and r["scores_ms"] > 0
+
+
+def test_kernel_time_sums_the_attention_kernels_of_a_trace(monkeypatch):
+    """``kernel_ms`` keeps the attention kernels of the traced chain (ours and JAX's)
+    and leaves out the chain's own reductions and adds."""
+    import jax.numpy as jnp
+
+    from scripts import decode_cases, device_profile
+
+    traced = [("paged_decode_k8v4_k4v2", 1.60, 32), ("loop_add_fusion", 0.06, 32),
+              ("merge_rows", 0.10, 32), ("input_reduce_fusion", 0.04, 32)]
+    monkeypatch.setattr(device_profile, "kernel_times", lambda run, calls: (traced, 1.8, 2.0))
+    ms, kernels = decode_cases.kernel_ms(lambda q: q * 2, jnp.ones((4, 4)), launches=32)
+    assert abs(ms - 1.70 / 32) < 1e-12
+    assert [n for n, _ in kernels] == [n for n, _, _ in traced]
+    traced[:] = [("loop_add_fusion", 0.06, 32)]  # no attention kernel: no figure
+    assert decode_cases.kernel_ms(lambda q: q * 2, jnp.ones((4, 4)), launches=32)[0] is None
+
+
+def test_attention_time_split_runs_every_setting(tmp_path):
+    out = tmp_path / "split.json"
+    run_script("attention_time_split.py", "--batch", "2", "--contexts", "256",
+               "--mixes", "diffkv-50/50", "--wave", "12", "--chain", "2", "--copy-gib", "0.05",
+               "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["wave"], r["logits"]) for r in rows] == [
+        (None, True), (None, False), (12, True), (12, False)]
+    assert all(r["kern_ms"] > 0 and r["full_ms"] > 0 and r["bytes"] > 0 for r in rows)

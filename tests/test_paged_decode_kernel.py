@@ -172,6 +172,31 @@ def test_plan_work_covers_every_page_once_in_balanced_items(seed):
         pdk.plan_work(pdk.row_pages(tiers), S * H)
 
 
+@pytest.mark.parametrize("width", [4, 1024])
+def test_smallest_fitting_count_matches_a_linear_search(width, monkeypatch):
+    """The grid search against trying every count, with a narrow grid too (4 wide,
+    2 levels: exact where its bounds are less than 16 counts apart, a fitting
+    count past that)."""
+    monkeypatch.setattr(pdk, "SEARCH_WIDTH", width)
+    rng = np.random.default_rng(width)
+    for trial in range(25):
+        n = int(rng.integers(1, 40))
+        top = int(rng.choice([5, 60, 3000, 200000, 2_000_000]))
+        flat = rng.integers(0, top, size=n)
+        target = int(rng.integers(1, 3 * n + 5))
+        min_pages = int(rng.integers(1, 4))
+        got = int(pdk.smallest_fitting_count(jnp.asarray(flat, jnp.int32), target, min_pages))
+        count = lambda c: int(np.sum(-(-flat // c)))  # noqa: E731
+        hi = max(int(flat.max()), min_pages)
+        fitting = [c for c in range(min_pages, hi + 1) if count(c) <= target]
+        if not fitting:  # not even one item per row fits
+            assert got == hi
+        elif hi - min_pages < width ** pdk.SEARCH_LEVELS:
+            assert got == fitting[0], (flat, target, min_pages)
+        else:
+            assert min_pages <= got <= hi and count(got) <= target
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_plan_work_in_one_wave_takes_the_smallest_count_that_fits(seed):
     rng = np.random.default_rng(100 + seed)
