@@ -4,7 +4,7 @@ with its merge, with and without the policy's logits, under two item plans.
 
 For each context, tier mix and plan (``wave``: items planned for one wave of the
 GPU's resident programs, ``plan_work(wave=)``; ``none``: the plan without it),
-times ``--chain`` launches chained in one call (:func:`time_launch_ms`, the work
+times ``--chain`` launches chained in one call (:func:`time_chained_ms`, the work
 list planned once per call) of
 
 * ``kern``: the decode kernel alone (``paged_decode_partials``);
@@ -44,7 +44,7 @@ def main() -> int:
     from diffkv_jax.diffkv_kernel_attention import HI, LO, _launch, tier_weights, work_items
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
-    from scripts.decode_cases import chained_call, copy_bandwidth, random_case, time_launch_ms
+    from scripts.decode_cases import chained_call, copy_bandwidth, random_case, time_chained_ms
     from scripts.device_profile import kernel_times
 
     bw = copy_bandwidth(args.copy_gib)
@@ -77,15 +77,15 @@ def main() -> int:
                             qg, tiers, group=G, cfg=cfg, work=work, padded_rows=rows8)
                         return merge_rows(o, m, l, work, S, H)[0], lg
 
-                    tk = time_launch_ms(kern, qg, tiers, chain=args.chain, prepare=plan)
-                    tf = time_launch_ms(full, qg, tiers, chain=args.chain, prepare=plan)
+                    chain = chained_call(full, args.chain, plan)  # timed, then traced
+                    tk = time_chained_ms(kern, qg, tiers, launches=args.chain, prepare=plan)
+                    tf = time_chained_ms(full, qg, tiers, launches=args.chain, chain=chain)
                     r = dict(context=N, mix=mix, wave=wave, logits=emit, kern_ms=tk,
                              full_ms=tf, bytes=nbytes,
                              frac_copy_bw_full=nbytes / (tf * 1e-3) / 1e12 / bw)
                     out.append(r)
                     print(r, flush=True)
                     if ci == 0 and mi == 0 and emit:
-                        chain = chained_call(full, args.chain, plan)
                         zero = jnp.float32(0)
                         traced, busy, wall = kernel_times(
                             lambda: jax.block_until_ready(chain(qg, zero, tiers)), calls=5)

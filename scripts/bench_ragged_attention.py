@@ -16,6 +16,10 @@ Methods: ``bf16`` (the uncompressed cache's 16-token pages) and ``diffkv``
 (``--low-frac`` of each row's tokens K4V2, the rest K8V4, policy logits
 emitted). Llama3-8B head shapes.
 
+``--chain L --plan step`` plans the work launches' items once per chained call,
+shared by its ``L`` launches, as a decode step plans them for all its layers
+(``--plan launch``, the default, plans them in every launch).
+
 ``--variants`` times other settings of the work launch on the same rows, each
 a comma-separated list of ``warps``, ``stages``, ``lanes``, ``tokens`` (1: a
 page's tokens as the dot tiles' rows, ``LaunchConfig.transposed``, queries
@@ -25,10 +29,6 @@ once, ``plan_work(wave=)``; 0: off), ``merge`` (0: XLA's segment reductions,
 ``row_merge.merge_rows``, folding n items per step), ``merge_dims`` (that
 merge's programs per row, each over a block of the head dim) (variants
 separated by ``;``), e.g. to tune the launch where the engine runs it:
-
-``--chain L --plan step`` plans the work launches' items once per chained call,
-shared by its ``L`` launches, as a decode step plans them for all its layers
-(``--plan launch``, the default, plans them in every launch).
 
     python scripts/bench_ragged_attention.py --slots 128 --active 14,24,45,64
     python scripts/bench_ragged_attention.py --methods diffkv --active 45,64 --splits 1 \

@@ -122,7 +122,7 @@ def chained_call(fn, launches: int, prepare=None):
 
 
 def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5,
-                    prepare=None) -> float:
+                    prepare=None, chain=None) -> float:
     """Device time of one ``fn(q, *rest)`` (ms), from ``launches`` of them chained in
     one jitted call, as a decode step runs one attention launch per layer: no host
     dispatch between them. ``fn`` returns an array, or a tuple that starts with one;
@@ -134,8 +134,10 @@ def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5,
     the launches are then ``fn(q, prepared, *rest)`` and its cost is shared by them.
 
     The figure includes what the chain adds per launch (the reduction, the add,
-    the loop's own step); :func:`kernel_ms` gives the kernels' time alone."""
-    chain = chained_call(fn, launches, prepare)
+    the loop's own step); :func:`kernel_ms` gives the kernels' time alone.
+    ``chain``: the :func:`chained_call` of the same arguments, if already built
+    (one compilation for the timing and the trace)."""
+    chain = chain or chained_call(fn, launches, prepare)
     zero = jnp.float32(0)
     return time_ms(chain, q, zero, *rest, reps=reps, rounds=rounds) / launches
 
@@ -145,15 +147,16 @@ def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5,
 ATTENTION_KERNELS = ("paged_decode", "merge_rows", "paged_attention")
 
 
-def kernel_ms(fn, q, *rest, launches: int, prepare=None, names=ATTENTION_KERNELS):
+def kernel_ms(fn, q, *rest, launches: int, prepare=None, names=ATTENTION_KERNELS,
+              chain=None):
     """``(ms, kernels)``: the device time per launch of the kernels whose names hold
     one of ``names``, read from a profiler trace of :func:`chained_call` (without
     the chain's own reductions, adds and loop steps, or the gaps between
     kernels), and every kernel's ``(name, ms per launch)``; ms is None where no
-    kernel matched."""
+    kernel matched. ``chain``: as in :func:`time_chained_ms`."""
     from scripts.device_profile import kernel_times
 
-    chain = chained_call(fn, launches, prepare)
+    chain = chain or chained_call(fn, launches, prepare)
     zero = jnp.float32(0)
     rows, _, _ = kernel_times(lambda: jax.block_until_ready(chain(q, zero, *rest)), calls=5)
     per_launch = [(name, ms / launches) for name, ms, _ in rows]
