@@ -152,6 +152,11 @@ class DiffKVCache(SlotAccounting):
     # reduced once after it (True: no barrier in the loop; the same victims, but 64
     # registers instead of 48 and 10 - 26% slower per launch on the H200).
     lane_victims: bool = False
+    # The decode kernel's logits for the policy as stored, "float16" or "float32"
+    # (pallas_kernels/paged_decode.LaunchConfig.logits_dtype): float16 halves what
+    # the launch writes; the probabilities it gives are within 0.034% per unit of
+    # the log2-unit logit (0.5% at 16) of float32's.
+    logits_dtype: str = "float16"
 
     name = "diffkv"
 
@@ -176,6 +181,9 @@ class DiffKVCache(SlotAccounting):
         if self.kernel_tiles not in ("auto", "queries", "tokens"):
             raise ValueError(f"kernel_tiles must be 'auto', 'queries' or 'tokens', "
                              f"got {self.kernel_tiles!r}")
+        if self.logits_dtype not in ("float16", "float32"):
+            raise ValueError(f"logits_dtype must be 'float16' or 'float32', "
+                             f"got {self.logits_dtype!r}")
         if self.decide_impl not in ("auto", "xla", "pallas"):
             raise ValueError(f"decide_impl must be 'auto', 'xla' or 'pallas', "
                              f"got {self.decide_impl!r}")

@@ -91,15 +91,16 @@ def tier_weights(tiers=(HI, LO)) -> tuple:
 
 
 def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
-            weights: tuple = ()) -> pdk.LaunchConfig:
+            weights: tuple = (), logits_dtype: str = "float16") -> pdk.LaunchConfig:
     """The caches' launch settings; ``head_dim`` 0: without page lanes (16-bit pages);
     ``transposed``: the quantized pages' tokens as the dot tiles' rows
     (``LaunchConfig.transposed``; query rows padded by :func:`_tile_rows`);
-    ``weights``: work units per page of each tier (:data:`TIER_WEIGHTS`)."""
+    ``weights``: work units per page of each tier (:data:`TIER_WEIGHTS`);
+    ``logits_dtype``: the policy's logits as stored."""
     gpu = backend.on_gpu()
     return pdk.LaunchConfig(dot_dtype="float16" if gpu else "float32", emit_logits=emit_logits,
                             page_lanes=page_lanes(head_dim), transposed=transposed,
-                            tier_weights=tuple(weights))
+                            tier_weights=tuple(weights), logits_dtype=logits_dtype)
 
 
 def _grouped_query(q, H: int):
@@ -233,7 +234,8 @@ def _tier_partials(method, state, layer, q, n_hi: int, n_lo: int, work: pdk.Work
                                    state.n_tok[:S, layer, :, tier]))
     tokens = method.token_tiles
     parts = pdk.paged_decode_partials(qg, tiers, group=G,
-                                      cfg=_launch(True, D, tokens, tier_weights(present)),
+                                      cfg=_launch(True, D, tokens, tier_weights(present),
+                                                  method.logits_dtype),
                                       work=work, padded_stats=padded_stats,
                                       padded_rows=_tile_rows(G, tokens))
     return qg, parts, pages

@@ -66,12 +66,13 @@ def _diffkv_cache(cfg: ModelConfig, *, max_seqs: int, max_context: int, page_siz
     merge = options.pop("merge_impl", "auto")
     tiles = options.pop("kernel_tiles", "auto")
     lanes = bool(options.pop("lane_victims", False))
+    logits = options.pop("logits_dtype", "float16")
     policy = DiffKVPolicy(**options)
     return DiffKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                        max_context=max_context, policy=policy,
                        tokens_per_page=page_size or 32, attention_impl=impl,
                        write_impl=writes, decide_impl=decide, merge_impl=merge,
-                       kernel_tiles=tiles, lane_victims=lanes, **tiers)
+                       kernel_tiles=tiles, lane_victims=lanes, logits_dtype=logits, **tiers)
 
 
 #: Budget (tokens per (sequence, layer, KV head)) of the eviction baselines when neither
@@ -192,7 +193,9 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     compiled on a GPU), ``kernel_tiles`` ("auto", "queries" or "tokens": the decode
     kernel's dot tiles with the query rows or a page's tokens as their rows; "auto" is
     "tokens" where the kernels run compiled on a GPU), ``lane_victims`` (the policy
-    launch's victim search reduced once after its walk instead of in every step).
+    launch's victim search reduced once after its walk instead of in every step),
+    ``logits_dtype`` ("float16" or "float32": the decode kernel's logits for the
+    policy as stored).
     ``int8`` / ``k8v4``: the diffkv options except the ones that define them
     (``high``, ``low``, ``low_tier``, ``alpha_low``).
     ``h2o`` / ``streamingllm`` / ``snapkv`` (token eviction, every kept token K8V8):

@@ -35,10 +35,11 @@ uncompressed cache) keep separate ``[P, slots, D]`` key and value pools.
 
 Outputs are unnormalized partials ``(o, m, l)`` per item and, for the
 policy, the logits of the real group rows (log2 units: ``log2(e) q.k /
-sqrt(D)``). :func:`merge_work` (or :func:`merge_partials` for even splits)
-combines them and the token being decoded exactly (flash-decoding);
-:func:`group_max_probabilities` turns logits into the per-token
-probabilities (max over the group) that the tiering policy accumulates.
+sqrt(D)``; float16 by default, ``LaunchConfig.logits_dtype``).
+:func:`merge_work` (or :func:`merge_partials` for even splits) combines them
+and the token being decoded exactly (flash-decoding);
+:func:`group_max_probabilities` turns logits into the per-token probabilities
+(max over the group) that the tiering policy accumulates.
 """
 
 from __future__ import annotations
@@ -145,6 +146,11 @@ class LaunchConfig:
     # "float32" converts codes exactly (interpret-mode checks at float32 accuracy).
     dot_dtype: str = "float16"
     emit_logits: bool = True
+    # The policy's logits as stored: "float16" halves the bytes the launch writes
+    # (a tenth of what it reads at K8V4/K4V2 in float32). Log2-unit logits keep 11
+    # bits: a logit of magnitude |s| is off by at most |s| * 2^-11, so a
+    # probability by at most 0.034% per unit of |s| (0.5% at |s| = 16).
+    logits_dtype: str = "float16"
     # Slots of a quantized page per loop step (0: the whole page). A half page
     # holds half the key and value tiles in registers, so more programs fit on a
     # multiprocessor, at more loop overhead per token.
@@ -178,6 +184,9 @@ class LaunchConfig:
     def __post_init__(self):
         if self.dot_dtype not in ("float16", "float32"):
             raise ValueError(f"dot_dtype must be 'float16' or 'float32', got {self.dot_dtype!r}")
+        if self.logits_dtype not in ("float16", "float32"):
+            raise ValueError("logits_dtype must be 'float16' or 'float32', got "
+                             f"{self.logits_dtype!r}")
         if self.page_lanes < 1:
             raise ValueError(f"page_lanes must be >= 1, got {self.page_lanes}")
         if self.page_lanes > 1 and self.sub_slots:
@@ -285,6 +294,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             plgpu.store(ref.at[(*lead, rows, cols)], x, mask=mask)
 
     def store_logits(s_ref, col, s):
+        s = s.astype(s_ref.dtype)
         if not tr:
             store_rows(s_ref, (s_i, h_i), pl.ds(col, s.shape[1]), s)
         elif interpret or s_ref.shape[2] == Gp:
@@ -303,6 +313,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         element); lanes past the item's pages (``row_live`` False) and padded group
         rows store nothing. ``lanes``: per lane (live, first token) for interpret mode."""
         stored, cols = s_ref.shape[2], s_ref.shape[3]
+        s = s.astype(s_ref.dtype)
         g = row_iota % Gl
         if interpret:  # sequential programs: a read-modify-write per lane
             rows_first = s.T if tr else s
@@ -684,9 +695,9 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
       With ``work``: per item ``o [N, G, D]``, ``m, l [N, G]`` (merge them with
       :func:`merge_work`); without: ``o [S, H, K, G, D]``, ``m, l [S, H, K, G]``
       (K = num_splits, merge with :func:`merge_partials`). Float32, m in natural
-      units. Then per tier ``logits [S, H, G, NP * slots]`` in log2 units (slots
-      >= n_tok hold garbage and must be masked by the caller; None when
-      ``cfg.emit_logits`` is False). ``padded_stats``: ``m, l`` (and, in interpret
+      units. Then per tier ``logits [S, H, G, NP * slots]`` in log2 units, of
+      ``cfg.logits_dtype`` (slots >= n_tok hold garbage and must be masked by the
+      caller; None when ``cfg.emit_logits`` is False). ``padded_stats``: ``m, l`` (and, in interpret
       mode, ``o``) keep their ``Gp`` rows, for a consumer that reads the real rows
       itself (no slicing kernels).
     """
@@ -738,7 +749,7 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
     if cfg.emit_logits:
         for t in tiers:
             shape = (S, H, rows, t.pages.shape[-1] * t.fmt.slots)
-            out_shape.append(jax.ShapeDtypeStruct(shape, jnp.float32))
+            out_shape.append(jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.logits_dtype)))
             out_specs.append(pl.BlockSpec(shape, lambda w: (0, 0, 0, 0)))
     kernel = functools.partial(_kernel, tiers=tuple(t.fmt for t in tiers), cfg=cfg,
                                group=G, interpret=interpret)
@@ -856,7 +867,7 @@ def group_max_probabilities(logits2, M, L, group: int):
     come from :func:`merge_partials`.
     """
     M2 = M[:, :, :group, None] * LOG2E
-    p = jnp.exp2(logits2[:, :, :group] - M2) / L[:, :, :group, None]
+    p = jnp.exp2(logits2[:, :, :group].astype(jnp.float32) - M2) / L[:, :, :group, None]
     return jnp.max(p, axis=2)
 
 

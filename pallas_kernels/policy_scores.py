@@ -184,7 +184,7 @@ def _kernel(*refs, caps: tuple[int, ...], widths: tuple[int, ...], rule: VictimR
             page = jnp.minimum(pages_ref[jnp.minimum(page_idx, width - 1)],
                                sc_ref.shape[0] - 1)
             within = slot % cap
-            lg = lg_ref[rows[:, None], col[None, :]]  # [Gq, n]
+            lg = lg_ref[rows[:, None], col[None, :]].astype(jnp.float32)  # [Gq, n]
             p = jnp.max(jnp.exp2(lg - M2[:, None]) * inv_l[:, None], axis=0)
             valid = slot < n_tok[t]
             old = sc_ref[page, within]
@@ -280,7 +280,7 @@ def score_victims(logits: Sequence[jax.Array], M, L, pages: Sequence[jax.Array],
 
     Args:
       logits: per tier ``[S, H, >= group, W_t * cap_t]`` log2-unit logits of the
-        attention kernel.
+        attention kernel (float16 or float32; the probabilities are taken in float32).
       M, L: ``[S, H, >= group]`` merged softmax max (natural units) and normalizer.
       pages: per tier ``[S, H, W_t]`` page IDs; n_tok: per tier ``[S, H]`` tokens held
         (0 for rows that must not change).

@@ -11,11 +11,11 @@ Variants (same logical KV: ``context`` tokens per (sequence, KV head)):
 * ``diffkv-mix``: 35% K8V4, 45% K4V2, 20% pruned.
 
 Our variants run the kernel as the caches do (balanced work items planned on
-the device, the policy's logits emitted for the DiffKV tiers), plus the exact
-merge of the items. Bytes read = K/V data + metadata + page IDs. With ``--chain``,
-a profiler trace of the same chain also times the attention kernels alone
-(``kern.ms``: ours the decode launch and its merge, JAX's its kernel; without
-the chain's per-launch reduction and add, its loop steps and the gaps between
+the device, the policy's logits emitted as float16 for the DiffKV tiers), plus
+the exact merge of the items. Bytes read = K/V data + metadata + page IDs. With
+``--chain``, a profiler trace of the same chain also times the attention
+kernels alone (``kern.ms``: ours the decode launch and its merge, JAX's its
+kernel; without the chain's per-launch reduction and add and the gaps between
 kernels), with the bandwidth and speed-up on that time. Each variant is checked
 against the plain-jnp reference on two rows of the same geometry first.
 
@@ -41,7 +41,8 @@ setting besides the engine's own launch: ``w`` the tiers' work units per page
 (``LaunchConfig.tier_weights``, high-low), ``ls`` the longest pages the page lanes
 walk (``LaunchConfig.lane_slots``), ``n`` the launch's work items, ``wave`` the
 items planned to run at once (``plan_work(wave=)``, 0: off), ``st`` / ``nw`` its
-pipeline stages and warps; labelled
+pipeline stages and warps, ``lg`` the bits of the stored logits
+(``LaunchConfig.logits_dtype``, 16 or 32); labelled
 ``<variant>/tokens[setting]``.
 
     python scripts/bench_attention.py                     # the full grid
@@ -79,7 +80,7 @@ def main() -> int:
                    help="';'-separated launch settings to time besides the engine's, "
                         "each a ','-list of w=HI-LO (tier weights), ls=N (lane slots), "
                         "n=N (work items), wave=N (items run at once, 0: off), st=N (pipeline "
-                        "stages), nw=N (warps)")
+                        "stages), nw=N (warps), lg=16|32 (logits' bits)")
     p.add_argument("--no-kernel-time", action="store_true",
                    help="with --chain, skip the profiler trace that times the attention "
                         "kernels alone")
@@ -132,8 +133,11 @@ def main() -> int:
                 out["num_stages"] = int(val)
             elif k == "nw":
                 out["num_warps"] = int(val)
+            elif k == "lg" and val in ("16", "32"):
+                out["logits_dtype"] = f"float{val}"
             else:
-                raise SystemExit(f"--tune: unknown setting {k!r} (w, ls, n, wave, st, nw)")
+                raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
+                                 "lg=16|32)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -167,7 +171,8 @@ def main() -> int:
         cfg = _launch(emit_logits=mix.startswith("diffkv"), head_dim=lane_dim,
                       transposed=transposed, weights=weights)
         cfg = dataclasses.replace(cfg, **{k: tune[k] for k in ("lane_slots", "num_stages",
-                                                                "num_warps") if k in tune})
+                                                                "num_warps", "logits_dtype")
+                                          if k in tune})
         tile_rows = pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)
         wave = tune.get("wave", plan_wave())

@@ -104,9 +104,9 @@ def time_ms(fn, *args, reps: int = 20, rounds: int = 5) -> float:
 
 def chained_call(fn, launches: int, prepare=None):
     """A jitted ``chain(q, zero, *rest)`` running ``launches`` of ``fn`` one after the
-    other, as :func:`time_chained_ms` times it."""
-    from jax import lax
-
+    other, as :func:`time_chained_ms` times it. The launches are unrolled, as the
+    engine's decode step unrolls its layers: XLA's GPU loops copy their condition
+    to the host every step, and the device waited ~10 µs for it per launch."""
     def total(q, prepared, *rest):
         out = fn(q, *rest) if prepare is None else fn(q, prepared, *rest)
         out = out[0] if isinstance(out, (tuple, list)) else out
@@ -115,8 +115,9 @@ def chained_call(fn, launches: int, prepare=None):
     @jax.jit
     def chain(q, zero, *rest):
         prepared = None if prepare is None else prepare(*rest)
-        body = lambda _, q: q + (zero * total(q, prepared, *rest)).astype(q.dtype)  # noqa: E731
-        return lax.fori_loop(0, launches, body, q)
+        for _ in range(launches):
+            q = q + (zero * total(q, prepared, *rest)).astype(q.dtype)
+        return q
 
     return chain
 
@@ -133,8 +134,8 @@ def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5,
     chain (what a decode step computes once for all its layers, as the work list):
     the launches are then ``fn(q, prepared, *rest)`` and its cost is shared by them.
 
-    The figure includes what the chain adds per launch (the reduction, the add,
-    the loop's own step); :func:`kernel_ms` gives the kernels' time alone.
+    The figure includes what the chain adds per launch (the reduction and the
+    add); :func:`kernel_ms` gives the kernels' time alone.
     ``chain``: the :func:`chained_call` of the same arguments, if already built
     (one compilation for the timing and the trace)."""
     chain = chain or chained_call(fn, launches, prepare)
@@ -151,9 +152,8 @@ def kernel_ms(fn, q, *rest, launches: int, prepare=None, names=ATTENTION_KERNELS
               chain=None):
     """``(ms, kernels)``: the device time per launch of the kernels whose names hold
     one of ``names``, read from a profiler trace of :func:`chained_call` (without
-    the chain's own reductions, adds and loop steps, or the gaps between
-    kernels), and every kernel's ``(name, ms per launch)``; ms is None where no
-    kernel matched. ``chain``: as in :func:`time_chained_ms`."""
+    the chain's own reductions and adds, or the gaps between kernels), and every
+    kernel's ``(name, ms per launch)``; ms is None where no kernel matched. ``chain``: as in :func:`time_chained_ms`."""
     from scripts.device_profile import kernel_times
 
     chain = chain or chained_call(fn, launches, prepare)

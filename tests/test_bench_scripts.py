@@ -71,13 +71,14 @@ def test_attention_benchmark_times_launch_settings(tmp_path):
     out = tmp_path / "tuned.json"
     run_script("bench_attention.py", "--models", "llama3-8b", "--batches", "2",
                "--contexts", "512", "--variants", "diffkv-50/50", "--kernel-tiles", "tokens",
-               "--tune", "w=1-2;ls=64,w=1-3;n=40;wave=12", "--chain", "2", "--copy-gib", "0.05",
+               "--tune", "w=1-2;ls=64,w=1-3;n=40;wave=12;lg=32", "--chain", "2",
+               "--copy-gib", "0.05",
                "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [r["variant"] for r in rows] == [
         "diffkv-50/50/tokens", "diffkv-50/50/tokens[w=1-2]",
         "diffkv-50/50/tokens[ls=64,w=1-3]", "diffkv-50/50/tokens[n=40]",
-        "diffkv-50/50/tokens[wave=12]"]
+        "diffkv-50/50/tokens[wave=12]", "diffkv-50/50/tokens[lg=32]"]
     for r in rows:  # every setting checked against the plain-jnp reference
         assert r["rel_err"] < 5e-3 and r["ms"] > 0
 
@@ -114,6 +115,19 @@ def test_chained_timing_runs_every_launch():
     assert time_chained_ms(launch, q, w, launches=4, reps=1, rounds=1, prepare=prepare) > 0
     jax.effects_barrier()
     assert len(plans) == 3 and len(runs) == 4 * 3
+
+
+def test_chained_call_is_unrolled_like_the_decode_step():
+    # No loop in the chain: XLA's GPU loops wait for the host every step.
+    import jax.numpy as jnp
+
+    from scripts.decode_cases import chained_call
+
+    fn = lambda q, w: jnp.tanh(q @ w)  # noqa: E731
+    q, w = jnp.ones((8, 16)), jnp.full((16, 16), 0.01)
+    chain = chained_call(fn, 3)
+    text = chain.lower(q, jnp.float32(0), w).compile().as_text()
+    assert "while" not in text and text.count("tanh") >= 3
 
 
 def _run_result(method, wall, trace):

@@ -28,6 +28,28 @@ def test_kernel_path_matches_reference_path(tiny_model, opts):
         assert abs(a.memory[key] - b.memory[key]) < 0.01
 
 
+def test_float16_logits_decode_like_float32_logits(tiny_model):
+    # The policy reads its probabilities from the kernel's logits: stored as float16
+    # (the default) they are within float16's rounding of float32's, so the tiering
+    # and the likelihoods stay within the kernel-versus-reference tolerances.
+    cfg, params = tiny_model
+    rng = np.random.default_rng(11)
+    docs = [list(rng.integers(0, cfg.vocab_size, size=120)) for _ in range(2)]
+    f32 = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=8, window=8,
+                      alpha_high=1.0, alpha_low=0.05, attention_impl="pallas",
+                      logits_dtype="float32")
+    f16 = dataclasses.replace(f32, logits_dtype="float16")
+    assert make_method("diffkv", cfg, max_seqs=2, max_context=128).logits_dtype == "float16"
+    a = score_teacher_forced(cfg, params, f32, docs, 20, progress=False)
+    b = score_teacher_forced(cfg, params, f16, docs, 20, progress=False)
+    assert np.abs(a.nll - b.nll).max() < 2e-3
+    assert (a.argmax == b.argmax).mean() > 0.98
+    for key in ("frac_high", "frac_low", "frac_pruned"):
+        assert abs(a.memory[key] - b.memory[key]) < 0.01
+    with pytest.raises(ValueError, match="logits_dtype"):
+        dataclasses.replace(f32, logits_dtype="bfloat16")
+
+
 @pytest.mark.parametrize("name,opts", [("diffkv", {"alpha_high": 1.0, "alpha_low": 0.05}),
                                        ("int8", {"alpha_high": 1.0})])
 def test_token_writes_kernel_gives_the_same_decode_as_the_scatters(tiny_model, name, opts):

@@ -60,8 +60,9 @@ TIER_SETS = {
 
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
                  seed=0, work_items=None, sub_slots=0, page_lanes=1, rows_in_kernel=False,
-                 transposed=False, tier_weights=(), lane_slots=32):
-    """``work_items``: launch over :func:`pdk.plan_work` items (rows 1 and 4 inactive)
+                 transposed=False, tier_weights=(), lane_slots=32, logits_dtype=None):
+    """``logits_dtype``: the stored logits' type (None: that of the dots, so the
+    float32 checks compare float32 logits). ``work_items``: launch over :func:`pdk.plan_work` items (rows 1 and 4 inactive)
     instead of ``splits`` even splits per row. ``rows_in_kernel``: q keeps its ``G``
     rows and the kernel pads them to ``pad`` itself (``padded_rows``).
     ``tier_weights``: work units per page of each tier, in the plan and the launch."""
@@ -75,7 +76,8 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
     q = jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32)
     cfg = pdk.LaunchConfig(num_splits=splits, dot_dtype=dot_dtype, lazy_rescale=lazy,
                            sub_slots=sub_slots, page_lanes=page_lanes, transposed=transposed,
-                           tier_weights=tier_weights, lane_slots=lane_slots)
+                           tier_weights=tier_weights, lane_slots=lane_slots,
+                           logits_dtype=logits_dtype or dot_dtype)
     qk = q if pad is None or rows_in_kernel else pdk.pad_group(q, pad)
     padded_rows = pdk.padded_group(G, pad) if rows_in_kernel else None
     active = np.ones(S, bool)
@@ -124,6 +126,60 @@ def test_magic_code_conversion_matches_reference(tier_set, D, G, splits):
     # float16 dots take the magic path (codes as float16 1024 + c, q and p * scale
     # rounded to float16): relative errors around 1e-3 of the output scale.
     check_kernel(tier_set, D, G, splits, interpret=True, dot_dtype="float16", tol=3e-3)
+
+
+def check_float16_logits(*, interpret, dot_dtype, transposed, lanes, seed):
+    """The same launch storing its logits as float16 and as float32: the outputs are
+    identical (the cast touches only what is stored) and every valid logit, and the
+    group-max probability the policy takes from it, is within float16's rounding:
+    ``|s16 - s32| <= |s32| 2^-11`` (plus 2^-25 below float16's normal range) and
+    ``|p16 - p32| <= p32 (2^(max_g |s| 2^-11) - 1)`` (1% slack for float32's own)."""
+    rng = np.random.default_rng(seed)
+    S, H, P, NP, D, G = 3, 2, 24, 3, 128, 4
+    tiers = [make_tier(rng, pdk.TierFormat(kb, vb, D, cap), P, S, H, NP)[0]
+             for kb, vb, cap in TIER_SETS["k8v4+k4v2 wide"]]
+    # Large logits (|s| up to ~100 in log2 units) to stress the 11 bits.
+    q = jnp.asarray(rng.normal(size=(S, H, G, D)) * 8, jnp.float32)
+    qk = pdk.pad_group(q, 8 if transposed else 16)
+    runs = {}
+    for dt in ("float16", "float32"):
+        cfg = pdk.LaunchConfig(num_splits=2, dot_dtype=dot_dtype, transposed=transposed,
+                               page_lanes=lanes, logits_dtype=dt)
+        runs[dt] = pdk.paged_decode_partials(qk, tiers, group=G, cfg=cfg, interpret=interpret)
+    (o16, m16, l16, lg16), (o32, m32, l32, lg32) = runs["float16"], runs["float32"]
+    for a, b in ((o16, o32), (m16, m32), (l16, l32)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # One more source (as the token being decoded) keeps empty rows defined.
+    extra = (jnp.zeros((S, H, G, D)), jnp.asarray(rng.normal(size=(S, H, G)), jnp.float32),
+             jnp.ones((S, H, G)))
+    _, M, L = pdk.merge_partials([(o32, m32, l32)], extra)
+    largest = 0.0
+    for t, a, b in zip(tiers, lg16, lg32):
+        assert a.dtype == jnp.float16 and b.dtype == jnp.float32
+        valid = np.arange(a.shape[-1])[None, None, None, :] < np.asarray(t.n_tok)[..., None, None]
+        # Slots past a row's tokens hold garbage (-inf in float16): zeroed.
+        a32 = np.where(valid, np.asarray(a, np.float32), 0)
+        b = np.where(valid, np.asarray(b), 0)
+        assert np.all(np.abs(a32 - b) <= np.abs(b) * 2.0**-11 + 2.0**-25)
+        p16 = np.asarray(pdk.group_max_probabilities(jnp.asarray(a32, jnp.float16), M, L, G))
+        p32 = np.asarray(pdk.group_max_probabilities(b, M, L, G))
+        bound = p32 * (2.0 ** (np.abs(b).max(axis=2) * 2.0**-11 + 2.0**-25) - 1) * 1.01
+        assert np.all(np.abs(p16 - p32) <= bound + 1e-30)
+        largest = max(largest, float(np.abs(b).max()))
+    assert largest > 16  # the check covered logits where float16 rounds coarsely
+
+
+@pytest.mark.parametrize("transposed,lanes", [(False, 1), (True, 2)])
+def test_float16_logits_round_only_what_is_stored(transposed, lanes):
+    check_float16_logits(interpret=True, dot_dtype="float32", transposed=transposed,
+                         lanes=lanes, seed=5 + lanes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transposed,lanes", [(False, 1), (True, 2), (False, 4)])
+def test_compiled_float16_logits_round_only_what_is_stored_on_gpu(transposed, lanes):
+    check_float16_logits(interpret=False, dot_dtype="float16", transposed=transposed,
+                         lanes=lanes, seed=9 + lanes)
 
 
 @pytest.mark.parametrize("tier_set", ["k8v4+k4v2", "16bit"])
