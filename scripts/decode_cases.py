@@ -153,7 +153,8 @@ def kernel_ms(fn, q, *rest, launches: int, prepare=None, names=ATTENTION_KERNELS
     """``(ms, kernels)``: the device time per launch of the kernels whose names hold
     one of ``names``, read from a profiler trace of :func:`chained_call` (without
     the chain's own reductions and adds, or the gaps between kernels), and every
-    kernel's ``(name, ms per launch)``; ms is None where no kernel matched. ``chain``: as in :func:`time_chained_ms`."""
+    kernel's ``(name, ms per launch)``; ms is None where no kernel matched.
+    ``chain``: as in :func:`time_chained_ms`."""
     from scripts.device_profile import kernel_times
 
     chain = chain or chained_call(fn, launches, prepare)

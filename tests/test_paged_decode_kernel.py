@@ -62,8 +62,9 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
                  seed=0, work_items=None, sub_slots=0, page_lanes=1, rows_in_kernel=False,
                  transposed=False, tier_weights=(), lane_slots=32, logits_dtype=None):
     """``logits_dtype``: the stored logits' type (None: that of the dots, so the
-    float32 checks compare float32 logits). ``work_items``: launch over :func:`pdk.plan_work` items (rows 1 and 4 inactive)
-    instead of ``splits`` even splits per row. ``rows_in_kernel``: q keeps its ``G``
+    float32 checks compare float32 logits). ``work_items``: launch over
+    :func:`pdk.plan_work` items (rows 1 and 4 inactive) instead of ``splits`` even
+    splits per row. ``rows_in_kernel``: q keeps its ``G``
     rows and the kernel pads them to ``pad`` itself (``padded_rows``).
     ``tier_weights``: work units per page of each tier, in the plan and the launch."""
     rng = np.random.default_rng(seed)
