@@ -26,12 +26,12 @@ CONFIGS = {
 #: mode off the GPU, much slower), with the policy's logits stored as float16 (the
 #: default) or float32.
 KERNEL_CONFIGS = {
-    "diffkv-paper-kernel": ("diffkv", dict(alpha_high=1.0, alpha_low=0.02,
-                                           attention_impl="pallas")),
-    "diffkv-paper-kernel-f32logits": ("diffkv", dict(alpha_high=1.0, alpha_low=0.02,
+    "diffkv-paper-kernel": ("diffkv", dict(CONFIGS["diffkv-paper"][1], attention_impl="pallas")),
+    "diffkv-paper-kernel-f32logits": ("diffkv", dict(CONFIGS["diffkv-paper"][1],
                                                      attention_impl="pallas",
                                                      logits_dtype="float32")),
 }
+ALL_CONFIGS = {**CONFIGS, **KERNEL_CONFIGS}
 
 
 def main() -> int:
@@ -41,7 +41,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--prefix", type=int, default=256)
     p.add_argument("--configs", default=",".join(CONFIGS),
-                   help="','-list of " + ", ".join([*CONFIGS, *KERNEL_CONFIGS]))
+                   help="','-list of " + ", ".join(ALL_CONFIGS))
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
@@ -59,7 +59,7 @@ def main() -> int:
         names = ["full"] + [n for n in names if n != "full"]
     results, base = {}, None
     for name in names:
-        kind, opts = {**CONFIGS, **KERNEL_CONFIGS}[name]
+        kind, opts = ALL_CONFIGS[name]
         method = make_method(kind, m.cfg, max_seqs=args.docs, max_context=args.tokens,
                              dtype=jnp.float32, **opts)
         r = score_teacher_forced(m.cfg, m.params, method, docs, args.prefix)
