@@ -235,12 +235,16 @@ def unpack_meta_f32(word: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
-            interpret: bool):
+            interpret: bool, merge_items: int = 0):
     n_t = len(tiers)
     items_ref, q_ref, tier_refs = refs[0], refs[1], refs[2:2 + 6 * n_t]
-    o_ref, m_ref, l_ref = refs[2 + 6 * n_t:5 + 6 * n_t]
-    s_refs = refs[5 + 6 * n_t:]
-    Gp, D = m_ref.shape[0], q_ref.shape[-1]
+    refs = refs[2 + 6 * n_t:]
+    # merge_items > 0 (paged_decode_merged): the rows' item ranges and merge counters
+    # come in, the merged rows go out too (and the counters, aliased).
+    merge_refs = (refs[:2] + refs[5:9]) if merge_items else None
+    o_ref, m_ref, l_ref = refs[2:5] if merge_items else refs[:3]
+    s_refs = refs[9:] if merge_items else refs[3:]
+    Gp, D = m_ref.shape[-1], q_ref.shape[-1]
     # The output is kept in one accumulator per slice of the most packed value codes.
     parts = max(8 // f.v_bits if f.quantized else 1 for f in tiers)
     w = D // parts
@@ -510,10 +514,102 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         outs = [o.T for o in outs]
     if n_lanes > 1:
         m, l, outs = _merge_lanes(m, l, outs, n_lanes)
+    if merge_items:
+        _store_and_merge(merge_refs, (o_ref, m_ref, l_ref), outs, m * LN2, l, item,
+                         (s_i, h_i, begin < end), group=group, width=w,
+                         items_per_step=merge_items, interpret=interpret)
+        return
     for i, o in enumerate(outs):
         store_rows(o_ref, (), pl.ds(i * w, w), o)
     m_ref[...] = m * LN2  # natural units outside the kernel
     l_ref[...] = l
+
+
+def _store_and_merge(merge_refs, partial_refs, outs, m, l, item, row_item, *, group: int,
+                     width: int, items_per_step: int, interpret: bool):
+    """The end of a :func:`paged_decode_merged` program: a row of one item writes its
+    normalized output; otherwise the item stores its partials, counts itself done
+    with an atomic add on its row's counter, and the row's last item to finish
+    merges every item of the row (:mod:`partial_fold`) and resets the counter.
+
+    ``outs``: the item's unnormalized output, ``[Gp, width]`` column parts; ``m``
+    (natural units), ``l [Gp]``; ``row_item``: ``(s, h, used)``, ``used`` False for
+    a work list's unused items (they do nothing).
+    """
+    from pallas_kernels import partial_fold
+
+    ranges_ref, _, out_ref, M_ref, L_ref, cnt_ref = merge_refs
+    o_ref, m_ref, l_ref = partial_refs
+    s_i, h_i, used = row_item
+    H, D = out_ref.shape[1], out_ref.shape[-1]
+    row = s_i * H + h_i
+    first, count = ranges_ref[row, 0], ranges_ref[row, 1]
+
+    def put(ref, lead, x, col=0):
+        """``x [n]`` or ``[n, c]`` into ``ref[*lead, :, col:col + c]``; where ``ref``
+        holds fewer rows than ``x`` (the real ones, on the GPU) the rest are masked off."""
+        stored, n = ref.shape[len(lead)], x.shape[0]
+        cols = () if x.ndim == 1 else (pl.ds(col, x.shape[1]),)
+        if stored == n:
+            ref[(*lead, slice(None), *cols)] = x
+            return
+        from jax.experimental.pallas import triton as plgpu
+
+        rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (n,), 0), stored - 1)
+        plgpu.store(ref.at[(*lead, rows, *cols)], x,
+                    mask=lax.broadcasted_iota(jnp.int32, x.shape, 0) < stored)
+
+    @pl.when(used & (count == 1))
+    def _alone():  # the row's only item: its output is the row's
+        inv = 1.0 / jnp.where(l > 0, l, 1.0)
+        for i, o in enumerate(outs):
+            put(out_ref, (s_i, h_i), (o * inv[:, None]).astype(out_ref.dtype), i * width)
+        put(M_ref, (s_i, h_i), m)
+        put(L_ref, (s_i, h_i), l)
+
+    @pl.when(used & (count > 1))
+    def _shared():
+        for i, o in enumerate(outs):
+            put(o_ref, (item,), o, i * width)
+        put(m_ref, (item,), m)
+        put(l_ref, (item,), l)
+        if interpret:  # programs run one after another
+            done = cnt_ref[row]
+            cnt_ref[row] = done + 1
+        else:
+            from jax.experimental.pallas import triton as plgpu
+
+            # The atomic is one thread's: after the barrier its release covers every
+            # thread's partial stores, and its acquire the last item's reads below.
+            plgpu.debug_barrier()
+            done = plgpu.atomic_add(cnt_ref, row, jnp.ones((), jnp.int32))
+
+        @pl.when(done == count - 1)
+        def _last():
+            # The real rows (a power of two on the GPU, the last repeated).
+            n = m.shape[0] if interpret else pl.next_power_of_2(group)
+            rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (n,), 0), group - 1)
+            cols = lax.broadcasted_iota(jnp.int32, (D,), 0)
+
+            def get(ref, idx):
+                if interpret:
+                    return ref[idx]
+                from jax.experimental.pallas import triton as plgpu
+
+                # Other programs' stores: volatile loads skip this multiprocessor's L1.
+                return plgpu.load(ref.at[idx], volatile=True)
+
+            def load(items):
+                return (get(m_ref, (items[:, None], rows[None, :])),
+                        get(l_ref, (items[:, None], rows[None, :])),
+                        get(o_ref, (items[:, None, None], rows[None, :, None],
+                                    cols[None, None, :])))
+
+            carry = partial_fold.fold_items(load, first, count, n, D, items_per_step)
+            put(out_ref, (s_i, h_i), partial_fold.normalized(carry).astype(out_ref.dtype))
+            put(M_ref, (s_i, h_i), carry[0])
+            put(L_ref, (s_i, h_i), carry[1])
+            cnt_ref[row] = jnp.int32(0)
 
 
 def _merge_lanes(m, l, outs, n_lanes: int):
@@ -701,6 +797,22 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
       mode, ``o``) keep their ``Gp`` rows, for a consumer that reads the real rows
       itself (no slicing kernels).
     """
+    interpret, G, Gp = _check_launch(q, tiers, padded_rows, group, interpret)
+    S, H, _, D = q.shape
+    listed = work is not None
+    if not listed:
+        work = even_work(tiers, cfg.num_splits, cfg.tier_weights)
+    outs = _decode_call(q, tiers, G, Gp, cfg, work, interpret)
+    o, m, l = outs[:3] if padded_stats else (outs[0][:, :G], outs[1][:, :G], outs[2][:, :G])
+    logits = [x[:, :, :G] for x in outs[3:]] if cfg.emit_logits else [None] * len(tiers)
+    if not listed:
+        K = cfg.num_splits
+        o, m, l = o.reshape(S, H, K, G, D), m.reshape(S, H, K, G), l.reshape(S, H, K, G)
+    return o, m, l, logits
+
+
+def _check_launch(q, tiers, padded_rows, group, interpret):
+    """``(interpret, G, Gp)`` of a decode launch, after checking its inputs."""
     if interpret is None:
         interpret = backend.default_interpret()
     S, H, Gq, D = q.shape
@@ -726,9 +838,15 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
                 raise ValueError(f"a pool of {pool.size} elements of {pool.dtype.itemsize} "
                                  "bytes cannot be addressed by one kernel launch (32-bit "
                                  "offsets); use a pool of at most 2^31 elements or over 4 GiB")
-    listed = work is not None
-    if not listed:
-        work = even_work(tiers, cfg.num_splits, cfg.tier_weights)
+    return interpret, G, Gp
+
+
+def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
+                 interpret: bool, merge=None):
+    """The decode launch's outputs: per item ``o, m, l`` (``Gp`` rows, or ``G`` for
+    ``o`` on the GPU), then with ``merge = (counters, out_dtype, items_per_step)``
+    the merged ``out, M, L`` (the same rows) and the counters, then the logits."""
+    S, H, _, D = q.shape
     N = work.size
     whole = lambda a: pl.BlockSpec(a.shape, lambda w: (0,) * a.ndim)  # noqa: E731
     dummy = jnp.zeros((1, 1), jnp.uint32)
@@ -736,6 +854,8 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
     for t in tiers:
         meta = list(t.meta) if t.fmt.quantized else [dummy] * 2
         args += [t.keys, t.values, *meta, t.pages.astype(jnp.int32), t.n_tok.astype(jnp.int32)]
+    if merge is not None:
+        args += [work.ranges.astype(jnp.int32), merge[0]]
     in_specs = [whole(a) for a in args]
     # Interpret mode stores every row and slices outside (its masked stores need
     # slices only); on the GPU padded rows are masked off in the kernel.
@@ -743,30 +863,91 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
     out_shape = [jax.ShapeDtypeStruct((N, rows, D), jnp.float32),
                  jax.ShapeDtypeStruct((N, Gp), jnp.float32),
                  jax.ShapeDtypeStruct((N, Gp), jnp.float32)]
-    out_specs = [pl.BlockSpec((None, rows, D), lambda w: (w, 0, 0)),
-                 pl.BlockSpec((None, Gp), lambda w: (w, 0)),
-                 pl.BlockSpec((None, Gp), lambda w: (w, 0))]
+    if merge is None:
+        out_specs = [pl.BlockSpec((None, rows, D), lambda w: (w, 0, 0)),
+                     pl.BlockSpec((None, Gp), lambda w: (w, 0)),
+                     pl.BlockSpec((None, Gp), lambda w: (w, 0))]
+    else:  # any program may read any item's partials, and writes its row's output
+        out_shape += [jax.ShapeDtypeStruct((S, H, rows, D), jnp.dtype(merge[1])),
+                      jax.ShapeDtypeStruct((S, H, rows), jnp.float32),
+                      jax.ShapeDtypeStruct((S, H, rows), jnp.float32),
+                      jax.ShapeDtypeStruct(merge[0].shape, jnp.int32)]
+        out_specs = [whole(a) for a in out_shape]
     if cfg.emit_logits:
         for t in tiers:
             shape = (S, H, rows, t.pages.shape[-1] * t.fmt.slots)
             out_shape.append(jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.logits_dtype)))
             out_specs.append(pl.BlockSpec(shape, lambda w: (0, 0, 0, 0)))
     kernel = functools.partial(_kernel, tiers=tuple(t.fmt for t in tiers), cfg=cfg,
-                               group=G, interpret=interpret)
+                               group=G, interpret=interpret,
+                               merge_items=0 if merge is None else merge[2])
     name = "paged_decode_" + "_".join(f"k{t.fmt.k_bits}v{t.fmt.v_bits}" for t in tiers)
-    outs = pl.pallas_call(
+    return pl.pallas_call(
         kernel, grid=(N,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=interpret,
+        # The counters are updated in place: every row's ends at zero again.
+        input_output_aliases={} if merge is None else {len(args) - 1: 6},
         compiler_params=None if interpret else backend.compiler_params(cfg.num_warps,
                                                                        cfg.num_stages),
         name=name,
     )(*args)
-    o, m, l = outs[:3] if padded_stats else (outs[0][:, :G], outs[1][:, :G], outs[2][:, :G])
-    logits = [x[:, :, :G] for x in outs[3:]] if cfg.emit_logits else [None] * len(tiers)
-    if not listed:
-        K = cfg.num_splits
-        o, m, l = o.reshape(S, H, K, G, D), m.reshape(S, H, K, G), l.reshape(S, H, K, G)
-    return o, m, l, logits
+
+
+def merge_counters(S: int, H: int) -> jax.Array:
+    """Zeroed merge counters for :func:`paged_decode_merged`, one per (sequence, KV
+    head) row; every launch leaves them zero again, so a decode step makes them
+    once and passes each launch's to the next."""
+    return jnp.zeros((S * H,), jnp.int32)
+
+
+def paged_decode_merged(q, tiers: Sequence[TierInput], *, work: WorkList,
+                        counters: jax.Array | None = None, group: int | None = None,
+                        cfg: LaunchConfig = LaunchConfig(), out_dtype=jnp.float32,
+                        padded_rows: int | None = None, items_per_step: int = 4,
+                        interpret: bool | None = None):
+    """Attention of ``q`` over every tier of each row, merged inside the one launch.
+
+    The launch of :func:`paged_decode_partials` over ``work`` (:func:`plan_work`'s,
+    with ``ranges``), where each row's last item to finish merges the row's items
+    (flash-decoding, exact, as :func:`merge_work`): an item counts itself done on
+    its row's counter (an atomic add, after its partials are stored), and the one
+    that finds every other item done folds their partials and writes the row. A
+    row of one item writes its output directly. No second launch.
+
+    Args:
+      q, tiers, group, cfg, padded_rows: as :func:`paged_decode_partials`.
+      work: the launch's work items, with ``ranges``.
+      counters: ``[S * H]`` int32 zeros (:func:`merge_counters`; made here if None),
+        updated in place and returned zero again: pass one launch's to the next.
+      out_dtype: dtype of ``out``.
+      items_per_step: items the merging program loads and folds together (a power
+        of two; its loads are registers held at the launch's end).
+    Returns:
+      ``(out [S,H,G,D], M [S,H,G], L [S,H,G], logits, counters)``: as
+      :func:`merge_work` (rows without items: zeros, ``M = NEG_INF``, ``L = 0``),
+      the logits as :func:`paged_decode_partials`'s, and the counters.
+    """
+    if work.ranges is None:
+        raise ValueError("paged_decode_merged needs the work list's ranges (plan_work's)")
+    if items_per_step < 1 or items_per_step & (items_per_step - 1):
+        raise ValueError(f"items_per_step must be a power of two, got {items_per_step}")
+    interpret, G, Gp = _check_launch(q, tiers, padded_rows, group, interpret)
+    S, H = q.shape[:2]
+    if counters is None:
+        counters = merge_counters(S, H)
+    if counters.shape != (S * H,) or counters.dtype != jnp.int32:
+        raise ValueError(f"counters must be int32 [{S * H}], got {counters.dtype} "
+                         f"{counters.shape}")
+    outs = _decode_call(q, tiers, G, Gp, cfg, work, interpret,
+                        (counters, out_dtype, items_per_step))
+    out, M, L = (x[:, :, :G] for x in outs[3:6])
+    # Rows without items were never written: zeros, as merge_work leaves them (an
+    # elementwise select that XLA fuses into the output's consumer).
+    has = (work.ranges[:, 1] > 0).reshape(S, H, 1)
+    out = jnp.where(has[..., None], out, jnp.zeros((), out.dtype))
+    M, L = jnp.where(has, M, NEG_INF), jnp.where(has, L, 0.0)
+    logits = [x[:, :, :G] for x in outs[7:]] if cfg.emit_logits else [None] * len(tiers)
+    return out, M, L, logits, outs[6]
 
 
 def merge_work(o, m, l, work: WorkList, S: int, H: int, extra=None):

@@ -27,54 +27,35 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import backend
-from pallas_kernels.paged_decode import NEG_INF, WorkList
+from pallas_kernels import backend, partial_fold
+from pallas_kernels.paged_decode import WorkList
 
 
 def _kernel(*refs, group: int, items_per_step: int, with_extra: bool, interpret: bool):
     rng_ref, o_ref, m_ref, l_ref = refs[:4]
     extra_refs = refs[4:7] if with_extra else ()
     out_ref, M_ref, L_ref = refs[4 + len(extra_refs):]
-    N, D = o_ref.shape[0], out_ref.shape[-1]  # D: this program's block of the head dim
+    D = out_ref.shape[-1]  # D: this program's block of the head dim
     # The GPU loads power-of-two shapes: rows past the group repeat the last real
     # row, and only the real rows are stored.
     Gq = group if interpret else pl.next_power_of_2(group)
     rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (Gq,), 0), group - 1)
     dloc = lax.broadcasted_iota(jnp.int32, (D,), 0)
     dcol = pl.program_id(2) * D + dloc  # the columns of o (whole) this program merges
-    lane = lax.broadcasted_iota(jnp.int32, (items_per_step,), 0)
-    first, count = rng_ref[0], rng_ref[1]
 
-    def combine(carry, mi, li, oi, live):
-        """The running ``(max, sum, output)`` with a block of sources ``[I, Gq(, D)]``;
-        ``live [I]`` masks the block's lanes past the row's items."""
-        mx, lx, ox = carry
-        mi = jnp.where(live[:, None], mi, NEG_INF)
-        mn = jnp.maximum(mx, jnp.max(mi, axis=0))
-        a = jnp.exp(mx - mn)
-        b = jnp.where(live[:, None], jnp.exp(mi - mn[None, :]), 0.0)
-        return (mn, lx * a + jnp.sum(b * li, axis=0),
-                ox * a[:, None] + jnp.sum(b[:, :, None] * oi.astype(jnp.float32), axis=0))
+    def load(item):
+        return (m_ref[item[:, None], rows[None, :]], l_ref[item[:, None], rows[None, :]],
+                o_ref[item[:, None, None], rows[None, :, None], dcol[None, None, :]])
 
-    def step(j, carry):
-        pos = j * items_per_step + lane
-        live = pos < count
-        item = jnp.minimum(first + pos, N - 1)  # lanes past the row read a real item
-        mi = m_ref[item[:, None], rows[None, :]]
-        li = l_ref[item[:, None], rows[None, :]]
-        oi = o_ref[item[:, None, None], rows[None, :, None], dcol[None, None, :]]
-        return combine(carry, mi, li, oi, live)
-
-    init = (jnp.full((Gq,), NEG_INF, jnp.float32), jnp.zeros((Gq,), jnp.float32),
-            jnp.zeros((Gq, D), jnp.float32))
-    carry = lax.fori_loop(0, (count + items_per_step - 1) // items_per_step, step, init)
+    carry = partial_fold.fold_items(load, rng_ref[0], rng_ref[1], Gq, D, items_per_step)
     if with_extra:
         eo, em, el = extra_refs
-        carry = combine(carry, em[rows][None], el[rows][None],
-                        eo[rows[:, None], dloc[None, :]][None], jnp.ones((1,), jnp.bool_))
-    mx, lx, ox = carry
+        carry = partial_fold.combine(carry, em[rows][None], el[rows][None],
+                                     eo[rows[:, None], dloc[None, :]][None],
+                                     jnp.ones((1,), jnp.bool_))
     # Rows without items (or extra) come out as zeros, as merge_work leaves them.
-    out = ox / jnp.where(lx > 0, lx, 1.0)[:, None]
+    out = partial_fold.normalized(carry)
+    mx, lx, _ = carry
     if interpret:
         out_ref[...] = out.astype(out_ref.dtype)
         M_ref[...] = mx

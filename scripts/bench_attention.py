@@ -34,7 +34,11 @@ step for all its layers; ``--plan launch`` plans them in every launch (and
 without a chain every call plans its own). ``--merge rows`` (default) merges
 the items in one launch (:func:`pallas_kernels.row_merge.merge_rows`),
 ``--merge segments`` with XLA's segment reductions
-(:func:`pallas_kernels.paged_decode.merge_work`).
+(:func:`pallas_kernels.paged_decode.merge_work`), ``--merge last`` inside the
+decode launch, by each row's last item to finish
+(:func:`pallas_kernels.paged_decode.paged_decode_merged`: no merge launch; its
+counters are made once per chained call, with the plan, and passed from
+launch to launch).
 
 ``--tune "w=1-2;ls=64,w=1-2;n=3168"`` times every quantized variant once per
 setting besides the engine's own launch: ``w`` the tiers' work units per page
@@ -42,7 +46,7 @@ setting besides the engine's own launch: ``w`` the tiers' work units per page
 walk (``LaunchConfig.lane_slots``), ``n`` the launch's work items, ``wave`` the
 items planned to run at once (``plan_work(wave=)``, 0: off), ``st`` / ``nw`` its
 pipeline stages and warps, ``lg`` the bits of the stored logits
-(``LaunchConfig.logits_dtype``, 16 or 32); labelled
+(``LaunchConfig.logits_dtype``, 16 or 32), ``m`` the merge (as ``--merge``); labelled
 ``<variant>/tokens[setting]``.
 
     python scripts/bench_attention.py                     # the full grid
@@ -74,13 +78,15 @@ def main() -> int:
                    help="time this many launches chained in one call (0: separate calls)")
     p.add_argument("--plan", default="step", choices=("step", "launch"),
                    help="our work items planned once per chained call, or in every launch")
-    p.add_argument("--merge", default="rows", choices=("rows", "segments"),
-                   help="our items merged by one launch (rows) or XLA segment reductions")
+    p.add_argument("--merge", default="rows", choices=("rows", "segments", "last"),
+                   help="our items merged by one launch (rows), XLA segment reductions, or "
+                        "inside the decode launch by each row's last item (last)")
     p.add_argument("--tune", default="",
                    help="';'-separated launch settings to time besides the engine's, "
                         "each a ','-list of w=HI-LO (tier weights), ls=N (lane slots), "
                         "n=N (work items), wave=N (items run at once, 0: off), st=N (pipeline "
-                        "stages), nw=N (warps), lg=16|32 (logits' bits)")
+                        "stages), nw=N (warps), lg=16|32 (logits' bits), "
+                        "m=rows|segments|last (the merge)")
     p.add_argument("--no-kernel-time", action="store_true",
                    help="with --chain, skip the profiler trace that times the attention "
                         "kernels alone")
@@ -100,12 +106,13 @@ def main() -> int:
     from scripts.decode_cases import (SHAPES, case_reference, chained_call, copy_bandwidth,
                                       kernel_ms, random_case, time_chained_ms, time_launch_ms)
 
-    def timed(fn, q, *rest, prepare=None):
+    def timed(fn, q, *rest, prepare=None, threaded=False):
         """``(ms, kernel ms)``: the chained (or back-to-back) time per launch and, with
         a chain, the attention kernels' own device time per launch (None without)."""
         if not args.chain:
             return time_launch_ms(fn, q, *rest, prepare=prepare), None
-        chain = chained_call(fn, args.chain, prepare)  # compiled once, timed and traced
+        # compiled once, timed and traced
+        chain = chained_call(fn, args.chain, prepare, threaded)
         ms = time_chained_ms(fn, q, *rest, launches=args.chain, chain=chain)
         if args.no_kernel_time:
             return ms, None
@@ -115,7 +122,7 @@ def main() -> int:
                   + ", ".join(f"{n[:40]} {t * 1e3:.1f} us" for n, t in kernels[:6]), flush=True)
         return ms, kms
 
-    merge = merge_rows if args.merge == "rows" else pdk.merge_work
+    merges = {"rows": merge_rows, "segments": pdk.merge_work}
 
     def parse_setting(text):
         out = {}
@@ -135,9 +142,11 @@ def main() -> int:
                 out["num_warps"] = int(val)
             elif k == "lg" and val in ("16", "32"):
                 out["logits_dtype"] = f"float{val}"
+            elif k == "m" and val in ("rows", "segments", "last"):
+                out["merge"] = val
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
-                                 "lg=16|32)")
+                                 "lg=16|32, m=rows|segments|last)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -180,14 +189,34 @@ def main() -> int:
         def plan(tiers):
             return pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items, wave=wave)
 
-        def launch(qg, work, tiers, cfg=cfg):
-            o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg, work=work,
-                                                        padded_rows=tile_rows)
-            return merge(o, m, l, work, qg.shape[0], H)[0], logits
+        merge_kind = tune.get("merge", args.merge)
+        threaded = merge_kind == "last"
+        if threaded:  # merged in the decode launch; its counters pass from launch to launch
+            def prepare(tiers):
+                S_, H_ = tiers[0].n_tok.shape
+                return plan(tiers), pdk.merge_counters(S_, H_)
 
-        @jax.jit
-        def ours(qg, tiers):
-            return launch(qg, plan(tiers), tiers)
+            def launch(qg, prepared, tiers, cfg=cfg):
+                work, counters = prepared
+                out, _, _, logits, counters = pdk.paged_decode_merged(
+                    qg, tiers, work=work, counters=counters, group=G, cfg=cfg,
+                    padded_rows=tile_rows)
+                return (out, logits), (work, counters)
+
+            @jax.jit
+            def ours(qg, tiers):
+                return launch(qg, prepare(tiers), tiers)[0]
+        else:
+            merge, prepare = merges[merge_kind], plan
+
+            def launch(qg, work, tiers, cfg=cfg):
+                o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg,
+                                                            work=work, padded_rows=tile_rows)
+                return merge(o, m, l, work, qg.shape[0], H)[0], logits
+
+            @jax.jit
+            def ours(qg, tiers):
+                return launch(qg, plan(tiers), tiers)
 
         small, _ = random_case(jax.random.fold_in(key, 99), mix, 2, H, D,
                                min(N, 2048))
@@ -197,8 +226,8 @@ def main() -> int:
         rout = pdk.merge_partials([r[:3] for r in ref])[0]
         got = ours(qc, small)[0][:, :, :G]
         err = float(jnp.abs(got - rout).max() / jnp.abs(rout).max())
-        ms = (timed(launch, qg, tiers, prepare=plan) if args.plan == "step" and args.chain
-              else timed(ours, qg, tiers))
+        ms = (timed(launch, qg, tiers, prepare=prepare, threaded=threaded)
+              if args.plan == "step" and args.chain else timed(ours, qg, tiers))
         del tiers
         return (*ms, nbytes, err)
 

@@ -102,28 +102,34 @@ def time_ms(fn, *args, reps: int = 20, rounds: int = 5) -> float:
     return ts[len(ts) // 2] * 1e3
 
 
-def chained_call(fn, launches: int, prepare=None):
+def chained_call(fn, launches: int, prepare=None, threaded: bool = False):
     """A jitted ``chain(q, zero, *rest)`` running ``launches`` of ``fn`` one after the
     other, as :func:`time_chained_ms` times it. The launches are unrolled, as the
     engine's decode step unrolls its layers: XLA's GPU loops copy their condition
-    to the host every step, and the device waited ~10 µs for it per launch."""
+    to the host every step, and the device waited ~10 µs for it per launch.
+    ``threaded`` (with ``prepare``): ``fn`` returns ``(outputs, prepared)`` and each
+    launch gets the previous one's ``prepared`` (state a launch updates in place,
+    as the merge counters of :func:`pallas_kernels.paged_decode.paged_decode_merged`)."""
     def total(q, prepared, *rest):
         out = fn(q, *rest) if prepare is None else fn(q, prepared, *rest)
+        if threaded:
+            out, prepared = out
         out = out[0] if isinstance(out, (tuple, list)) else out
-        return jnp.sum(out.astype(jnp.float32))
+        return jnp.sum(out.astype(jnp.float32)), prepared
 
     @jax.jit
     def chain(q, zero, *rest):
         prepared = None if prepare is None else prepare(*rest)
         for _ in range(launches):
-            q = q + (zero * total(q, prepared, *rest)).astype(q.dtype)
+            t, prepared = total(q, prepared, *rest)
+            q = q + (zero * t).astype(q.dtype)
         return q
 
     return chain
 
 
 def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5,
-                    prepare=None, chain=None) -> float:
+                    prepare=None, chain=None, threaded: bool = False) -> float:
     """Device time of one ``fn(q, *rest)`` (ms), from ``launches`` of them chained in
     one jitted call, as a decode step runs one attention launch per layer: no host
     dispatch between them. ``fn`` returns an array, or a tuple that starts with one;
@@ -137,8 +143,8 @@ def time_chained_ms(fn, q, *rest, launches: int, reps: int = 5, rounds: int = 5,
     The figure includes what the chain adds per launch (the reduction and the
     add); :func:`kernel_ms` gives the kernels' time alone.
     ``chain``: the :func:`chained_call` of the same arguments, if already built
-    (one compilation for the timing and the trace)."""
-    chain = chain or chained_call(fn, launches, prepare)
+    (one compilation for the timing and the trace); ``threaded``: as there."""
+    chain = chain or chained_call(fn, launches, prepare, threaded)
     zero = jnp.float32(0)
     return time_ms(chain, q, zero, *rest, reps=reps, rounds=rounds) / launches
 
@@ -149,15 +155,15 @@ ATTENTION_KERNELS = ("paged_decode", "merge_rows", "paged_attention")
 
 
 def kernel_ms(fn, q, *rest, launches: int, prepare=None, names=ATTENTION_KERNELS,
-              chain=None):
+              chain=None, threaded: bool = False):
     """``(ms, kernels)``: the device time per launch of the kernels whose names hold
     one of ``names``, read from a profiler trace of :func:`chained_call` (without
     the chain's own reductions and adds, or the gaps between kernels), and every
     kernel's ``(name, ms per launch)``; ms is None where no kernel matched.
-    ``chain``: as in :func:`time_chained_ms`."""
+    ``chain``, ``threaded``: as in :func:`time_chained_ms`."""
     from scripts.device_profile import kernel_times
 
-    chain = chain or chained_call(fn, launches, prepare)
+    chain = chain or chained_call(fn, launches, prepare, threaded)
     zero = jnp.float32(0)
     rows, _, _ = kernel_times(lambda: jax.block_until_ready(chain(q, zero, *rest)), calls=5)
     per_launch = [(name, ms / launches) for name, ms, _ in rows]

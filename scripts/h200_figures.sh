@@ -8,6 +8,7 @@
 #   bash scripts/h200_figures.sh full         # serving throughput, uncompressed bf16
 #   bash scripts/h200_figures.sh compare      # the two over the window both served
 #   bash scripts/h200_figures.sh attention    # the decode-attention grid
+#   bash scripts/h200_figures.sh merged       # the launch that merges its own rows, against merge_rows
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
 #   bash scripts/h200_figures.sh policy       # the policy launch: its floor, the lane victim search
@@ -47,6 +48,13 @@ case "${1:-}" in
       "$OUT/throughput_diffkv/throughput.json" ;;
   attention)
     python scripts/bench_attention.py --json "$OUT/bench_attention.json" ;;
+  merged)
+    # (wave=1584: 12 programs per multiprocessor, what the merged launch's registers allow
+    # if XLA's compile matches the triton package's)
+    python -m pytest -q -m gpu tests/test_merged_decode.py
+    python scripts/bench_attention.py --models llama3-8b --batches 32,128 --contexts 4096,16384 \
+      --variants jax-bf16,ours-bf16,diffkv-high,diffkv-50/50,diffkv-mix --kernel-tiles tokens \
+      --chain 32 --tune "m=last;m=last,wave=1584" --json "$OUT/bench_attention_merged.json" ;;
   ragged)
     python scripts/bench_ragged_attention.py --json "$OUT/bench_ragged_attention.json" ;;
   policy)
@@ -61,6 +69,6 @@ case "${1:-}" in
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac

@@ -8,6 +8,8 @@ instructions of each tier's page loop per token, keeping TTGIR / PTX / cubin:
 
     python scripts/kernel_resources.py --tiers 8-4-32,8-4-32+4-2-64 --warps 1,2
     python scripts/kernel_resources.py --policy      # the policy launch's loops instead
+    python scripts/kernel_resources.py --tiers 8-4-32+4-2-64 --warps 1 --lanes 2 \
+        --transposed 1 --merged 0,1                  # the launch that merges its rows too
 
 The ``triton`` package's compiler is close to, not the same as, the one inside
 XLA, so treat the numbers as a guide. Occupancy follows from 65,536 registers
@@ -145,6 +147,9 @@ def main() -> int:
     p.add_argument("--transposed", default="0",
                    help="LaunchConfig.transposed values (1: pages' tokens as the dot tile's "
                         "rows, the query rows padded to 8)")
+    p.add_argument("--merged", default="0",
+                   help="0: the launch of partials; 1: the launch that merges its rows "
+                        "(paged_decode_merged: the last item of a row folds its items)")
     p.add_argument("--padded-q", action="store_true",
                    help="q padded to 16 rows in memory (the launches before padded_rows)")
     p.add_argument("--policy", action="store_true",
@@ -174,11 +179,12 @@ def main() -> int:
     D, G = args.head_dim, args.group
     print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
           f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
-    for spec, warps, stages, sub, lanes, trans in itertools.product(
+    for spec, warps, stages, sub, lanes, trans, merged in itertools.product(
             args.tiers.split(","), [int(x) for x in args.warps.split(",")],
             [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")],
             [int(x) for x in args.lanes.split(",")],
-            [bool(int(x)) for x in args.transposed.split(",")]):
+            [bool(int(x)) for x in args.transposed.split(",")],
+            [bool(int(x)) for x in args.merged.split(",")]):
         tiers, caps = [], []
         for part in spec.split("+"):
             kb, vb, cap = (int(x) for x in part.split("-"))
@@ -203,16 +209,23 @@ def main() -> int:
         # As the caches call it: q holds the group's rows, the kernel pads them to 16
         # (--padded-q: q padded in memory, as before padded_rows).
         q = jnp.zeros((1, 1, rows if args.padded_q else G, D), jnp.bfloat16)
-        fn = jax.jit(lambda q: pdk.paged_decode_partials(
-            q, tiers, group=G, cfg=cfg, interpret=False,
-            padded_rows=None if args.padded_q else rows))
+        padded_rows = None if args.padded_q else rows
+        if merged:
+            work = pdk.plan_work(jnp.ones((1, 1), jnp.int32), 4)
+            fn = jax.jit(lambda q: pdk.paged_decode_merged(
+                q, tiers, work=work, group=G, cfg=cfg, interpret=False,
+                padded_rows=padded_rows))
+        else:
+            fn = jax.jit(lambda q: pdk.paged_decode_partials(
+                q, tiers, group=G, cfg=cfg, interpret=False, padded_rows=padded_rows))
         name = (f"{spec.replace('+', '_')}_w{warps}_st{stages}" + (f"_sub{sub}" if sub else "")
-                + (f"_lanes{n_lanes}" if n_lanes > 1 else "") + ("_tr" if trans else ""))
+                + (f"_lanes{n_lanes}" if n_lanes > 1 else "") + ("_tr" if trans else "")
+                + ("_merged" if merged else ""))
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
             fh.write(strip_locations(triton_ir(fn, q)))
         label = (spec + (f" /{sub}" if sub else "") + (f" x{n_lanes}" if n_lanes > 1 else "")
-                 + (" T" if trans else ""))
+                 + (" T" if trans else "") + (" M" if merged else ""))
         line = f"{label:24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")
