@@ -49,12 +49,18 @@ case "${1:-}" in
   attention)
     python scripts/bench_attention.py --json "$OUT/bench_attention.json" ;;
   merged)
-    # (wave=1584: 12 programs per multiprocessor, what the merged launch's registers allow
-    # if XLA's compile matches the triton package's)
+    # wave=1188 / 1584: 9 / 12 programs per multiprocessor, what the launch's registers
+    # allow without / with the merge inside if XLA's compile matches the triton package's
+    # (scripts/kernel_resources.py --merged 0,1); then the other shapes with the merge inside
     python -m pytest -q -m gpu tests/test_merged_decode.py
+    V=jax-bf16,ours-bf16,diffkv-high,diffkv-50/50,diffkv-mix
+    python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
+      --variants "$V" --kernel-tiles tokens --chain 32 \
+      --tune "wave=1188;m=last;m=last,wave=1188;m=last,wave=1584" \
+      --json "$OUT/bench_attention_merged_32x4k.json"
     python scripts/bench_attention.py --models llama3-8b --batches 32,128 --contexts 4096,16384 \
-      --variants jax-bf16,ours-bf16,diffkv-high,diffkv-50/50,diffkv-mix --kernel-tiles tokens \
-      --chain 32 --tune "m=last;m=last,wave=1584" --json "$OUT/bench_attention_merged.json" ;;
+      --variants "$V" --kernel-tiles tokens --chain 32 --tune "m=last" \
+      --json "$OUT/bench_attention_merged.json" ;;
   ragged)
     python scripts/bench_ragged_attention.py --json "$OUT/bench_ragged_attention.json" ;;
   policy)

@@ -50,16 +50,22 @@ def merged_and_reference(q, tiers, cfg, work, rows, G, *, interpret=True, items_
     return got, ref, logits
 
 
-def check_merged(got, ref, logits, tiers, rtol):
+def check_merged(got, ref, logits, tiers, work, rtol, logit_tol=0.0):
+    """``logit_tol``: the logits' tolerance relative to their magnitude (0: equal, as
+    in interpret mode; compiled, the two launches' codes may contract a multiply and
+    an add differently, a float16 rounding step apart)."""
     out, M, L, got_logits, counters = got
     for g, r in zip((out, M, L), ref):
         assert g.shape == r.shape
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r), rtol=rtol,
                                    atol=rtol)
-    # The launch's logits are the same launch's: equal wherever a token exists.
+    # The launch's logits are the same launch's, wherever a row with items has a token.
+    walked = (np.asarray(work.ranges)[:, 1] > 0).reshape(out.shape[:2])
     for a, b, t in zip(got_logits, logits, tiers):
         valid = np.arange(a.shape[-1])[None, None, None, :] < np.asarray(t.n_tok)[..., None, None]
-        np.testing.assert_array_equal(np.where(valid, a, 0), np.where(valid, b, 0))
+        valid &= walked[..., None, None]
+        a, b = (np.where(valid, np.asarray(x, np.float32), 0) for x in (a, b))
+        assert (np.abs(a - b) <= logit_tol * np.maximum(1.0, np.abs(b))).all()
     assert not np.asarray(counters).any()  # every row's counter back at zero
 
 
@@ -79,7 +85,7 @@ def test_merged_launch_matches_its_partials_merged(tier_set, D, G, work_items,
         assert (counts > 1).any()
     got, ref, logits = merged_and_reference(q, tiers, cfg, work, rows, G,
                                             items_per_step=items_per_step)
-    check_merged(got, ref, logits, tiers, 2e-5)
+    check_merged(got, ref, logits, tiers, work, 2e-5)
     out, M, L = got[:3]
     no_items = counts.reshape(q.shape[:2]) == 0
     assert float(jnp.abs(out[no_items]).max()) == 0 and float(L[no_items].max()) == 0
@@ -93,7 +99,7 @@ def test_merged_launch_with_token_tiles_and_lanes(transposed, lanes):
     q, tiers, cfg, work, rows = launch_case("k8v4+k4v2 wide", 128, 4, 40, seed=7,
                                             transposed=transposed, lanes=lanes)
     got, ref, logits = merged_and_reference(q, tiers, cfg, work, rows, 4)
-    check_merged(got, ref, logits, tiers, 2e-5)
+    check_merged(got, ref, logits, tiers, work, 2e-5)
 
 
 def test_counters_pass_from_launch_to_launch():
@@ -178,7 +184,7 @@ def test_compiled_merged_launch_matches_on_gpu(tier_set, D, G, lanes):
                                             interpret=False)
     assert np.asarray(work.ranges)[:, 1].max() >= 8
     got, ref, logits = merged_and_reference(q, tiers, cfg, work, rows, G, interpret=False)
-    check_merged(got, ref, logits, tiers, 1e-5)
+    check_merged(got, ref, logits, tiers, work, 1e-5, logit_tol=2e-3)
 
     @jax.jit
     def chain(q, counters):
