@@ -26,7 +26,8 @@ page's tokens as the dot tiles' rows, ``LaunchConfig.transposed``, queries
 padded to 8), ``items``, ``min_pages``, ``wave`` (the items planned to run at
 once, ``plan_work(wave=)``; 0: off), ``merge`` (0: XLA's segment reductions,
 ``merge_work``, as the ``work`` launch; n: the one-launch merge,
-``row_merge.merge_rows``, folding n items per step), ``merge_dims`` (that
+``row_merge.merge_rows``, folding n items per step; last: inside the decode
+launch, ``paged_decode.paged_decode_merged``), ``merge_dims`` (that
 merge's programs per row, each over a block of the head dim) (variants
 separated by ``;``), e.g. to tune the launch where the engine runs it:
 
@@ -82,9 +83,10 @@ def main() -> int:
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import time_launch_ms
 
-    def timed(fn, q, *rest, prepare=None):
-        return time_launch_ms(fn, q, *rest, chain=args.chain,
-                              prepare=prepare if args.chain and args.plan == "step" else None)
+    def timed(fn, q, *rest, prepare=None, threaded=False):
+        step = args.chain and args.plan == "step"
+        return time_launch_ms(fn, q, *rest, chain=args.chain, prepare=prepare if step else None,
+                              threaded=threaded and step)
 
     nq, H, D = 32, 8, 128
     G, S = nq // H, args.slots
@@ -95,9 +97,9 @@ def main() -> int:
     # plan_work's settings as the caches plan (with --min-pages), unless a variant names them.
     default_plan = {"min_pages": args.min_pages, "wave": plan_wave()}
 
-    def variant(spec: str) -> tuple[dict, int | None, dict, tuple[int, int]]:
+    def variant(spec: str) -> tuple[dict, int | None, dict, tuple]:
         """``(LaunchConfig changes, items or None, plan_work settings, (merge,
-        merge_dims))`` of one --variants entry."""
+        merge_dims))`` of one --variants entry (merge "last": inside the launch)."""
         changes, items, merge, dims = {}, None, 0, 1
         plan = dict(default_plan)
         for part in filter(None, spec.split(",")):
@@ -111,12 +113,12 @@ def main() -> int:
             elif key == "wave":
                 plan["wave"] = int(value) or None
             elif key == "merge":
-                merge = int(value)
+                merge = value if value == "last" else int(value)
             elif key == "merge_dims":
                 dims = int(value)
             else:
                 raise SystemExit(f"unknown variant setting {key!r} in {spec!r}")
-        if dims > 1 and not merge:
+        if dims > 1 and (not merge or merge == "last"):
             raise SystemExit(f"merge_dims needs merge=N (the one-launch merge) in {spec!r}")
         return changes, items, plan, (merge, dims)
 
@@ -191,6 +193,11 @@ def main() -> int:
                 def launch(qr, wl, tiers, act, cfg=lcfg, merge=merge):
                     # As the caches call it: q's real rows, padded in the kernel.
                     rows = pdk.tile_rows(G, cfg.transposed and method != "bf16")
+                    if merge[0] == "last":  # wl: the plan and the merge counters
+                        out, _, _, lg, counters = pdk.paged_decode_merged(
+                            qr, tiers, work=wl[0], counters=wl[1], group=G, cfg=cfg,
+                            padded_rows=rows)
+                        return (out, lg), (wl[0], counters)
                     o, m, l, lg = pdk.paged_decode_partials(qr, tiers, group=G, cfg=cfg,
                                                             work=wl, padded_rows=rows)
                     if merge[0]:
@@ -198,12 +205,18 @@ def main() -> int:
                                           dim_blocks=merge[1])[0], lg
                     return pdk.merge_work(o, m, l, wl, S, H)[0], lg
 
+                threaded = merge[0] == "last"
+                if threaded:
+                    def planned(tiers, act, planned=planned):
+                        return planned(tiers, act), pdk.merge_counters(S, H)
+
                 @jax.jit
-                def work(qr, tiers, act, planned=planned, launch=launch):
-                    return launch(qr, planned(tiers, act), tiers, act)
+                def work(qr, tiers, act, planned=planned, launch=launch, threaded=threaded):
+                    out = launch(qr, planned(tiers, act), tiers, act)
+                    return out[0] if threaded else out
 
                 try:
-                    ms = (timed(launch, qr, tiers, act, prepare=planned)
+                    ms = (timed(launch, qr, tiers, act, prepare=planned, threaded=threaded)
                           if args.chain and args.plan == "step" else timed(work, qr, tiers, act))
                     res[name] = (ms, work(qr, tiers, act)[0])
                 except Exception as e:  # report and keep going

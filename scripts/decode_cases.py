@@ -171,15 +171,19 @@ def kernel_ms(fn, q, *rest, launches: int, prepare=None, names=ATTENTION_KERNELS
     return (sum(hit) if hit else None), per_launch
 
 
-def time_launch_ms(fn, q, *rest, chain: int = 0, prepare=None) -> float:
+def time_launch_ms(fn, q, *rest, chain: int = 0, prepare=None, threaded: bool = False) -> float:
     """:func:`time_chained_ms` over ``chain`` launches, or :func:`time_ms` of
     back-to-back calls where ``chain`` is 0 (``prepare``, if given, then inside
-    every call)."""
+    every call; ``threaded``: as :func:`chained_call`'s)."""
     if chain:
-        return time_chained_ms(fn, q, *rest, launches=chain, prepare=prepare)
+        return time_chained_ms(fn, q, *rest, launches=chain, prepare=prepare,
+                               threaded=threaded)
     if prepare is not None:
         inner = fn
         fn = jax.jit(lambda q, *rest: inner(q, prepare(*rest), *rest))
+        if threaded:
+            outer = fn
+            fn = jax.jit(lambda q, *rest: outer(q, *rest)[0])
     return time_ms(fn, q, *rest)
 
 

@@ -60,7 +60,11 @@ case "${1:-}" in
       --json "$OUT/bench_attention_merged_32x4k.json"
     python scripts/bench_attention.py --models llama3-8b --batches 32,128 --contexts 4096,16384 \
       --variants "$V" --kernel-tiles tokens --chain 32 --tune "m=last" \
-      --json "$OUT/bench_attention_merged.json" ;;
+      --json "$OUT/bench_attention_merged.json"
+    python scripts/bench_ragged_attention.py --methods diffkv,bf16 --active 12,24,46 --splits 1 \
+      --chain 32 --plan step \
+      --variants "tokens=1,merge=8;tokens=1,merge=last;tokens=1,merge=last,wave=1584" \
+      --json "$OUT/bench_ragged_merged.json" ;;
   ragged)
     python scripts/bench_ragged_attention.py --json "$OUT/bench_ragged_attention.json" ;;
   policy)

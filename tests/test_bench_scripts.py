@@ -36,14 +36,14 @@ def test_ragged_attention_benchmark_checks_its_launches(tmp_path, plan):
     out = tmp_path / "ragged.json"
     run_script("bench_ragged_attention.py", "--slots", "4", "--active", "2", "--min-len", "40",
                "--max-len", "200", "--methods", "diffkv,bf16", "--splits", "1",
-               "--variants", "min_pages=4;tokens=1;merge=4;merge=2,merge_dims=4;wave=6",
+               "--variants", "min_pages=4;tokens=1;merge=4;merge=2,merge_dims=4;wave=6;merge=last",
                "--chain", "2", "--plan", plan,
                "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     launches = {(r["method"], r["launch"]) for r in rows}
     assert launches == {(m, n) for m in ("diffkv", "bf16")
                         for n in ("even-1", "work", "min_pages=4", "tokens=1", "merge=4",
-                                  "merge=2,merge_dims=4", "wave=6")}
+                                  "merge=2,merge_dims=4", "wave=6", "merge=last")}
     for r in rows:
         # Against the first launch (even splits): the same attention; on the CPU the
         # caches' launch takes float32 dots, the even-split one float16 codes (~1e-3).
