@@ -37,7 +37,9 @@ Outputs are unnormalized partials ``(o, m, l)`` per item and, for the
 policy, the logits of the real group rows (log2 units: ``log2(e) q.k /
 sqrt(D)``; float16 by default, ``LaunchConfig.logits_dtype``).
 :func:`merge_work` (or :func:`merge_partials` for even splits) combines them
-and the token being decoded exactly (flash-decoding);
+and the token being decoded exactly (flash-decoding), or
+:func:`paged_decode_merged` merges each row inside the launch (its last item to
+finish folds the row's partials);
 :func:`group_max_probabilities` turns logits into the per-token probabilities
 (max over the group) that the tiering policy accumulates.
 """
