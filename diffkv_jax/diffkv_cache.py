@@ -12,7 +12,10 @@ State layout (one pytree, updated in place under donation):
 * per row ``n_tok [S + 1, L, H, 2]`` (tokens per tier) and
   ``n_pages [S + 1, L, H, 2]``;
 * per slot ``seq_len`` (tokens seen, pruned included) and ``prompt_len``;
-* the circular free list.
+* the circular free list;
+* per (sequence, KV head) row a merge counter, zero between launches (the
+  decode launch that merges its own rows counts its items with them,
+  ``merge_impl="launch"``).
 
 Prefill: every row gets a conservative page set (all tokens high) from one
 prefix sum; each layer scores, classifies and writes its tokens (high pages
@@ -75,6 +78,7 @@ class DiffKVState:
     prompt_len: jax.Array
     free: fl.FreeList
     alloc_failed: jax.Array
+    merge_counters: jax.Array  # [S * H] int32, zero between launches
 
 
 @struct.dataclass
@@ -136,8 +140,11 @@ class DiffKVCache(SlotAccounting):
     decide_impl: str = "auto"
     # Who merges the attention launch's partials (and the newcomer) on the GPU
     # kernel path: "xla" (segment reductions, about six small kernels per layer),
-    # "pallas" (the policy launch itself, pallas_kernels/policy_scores.py), or
-    # "auto": "pallas" where the kernels run compiled on a GPU (4.3% of a 64 x 4K
+    # "pallas" (the policy launch itself, pallas_kernels/policy_scores.py),
+    # "launch" (each row's last work item in the attention launch, then the policy
+    # launch folds that one partial with the newcomer:
+    # pallas_kernels/paged_decode.paged_decode_merged; not yet timed on the GPU),
+    # or "auto": "pallas" where the kernels run compiled on a GPU (4.3% of a 64 x 4K
     # step and 191 launches fewer on the H200), "xla" otherwise.
     merge_impl: str = "auto"
     # The decode kernel's dot tiles (pallas_kernels/paged_decode.py): "queries"
@@ -172,12 +179,12 @@ class DiffKVCache(SlotAccounting):
         if self.write_impl not in ("auto", "xla", "pallas"):
             raise ValueError(f"write_impl must be 'auto', 'xla' or 'pallas', "
                              f"got {self.write_impl!r}")
-        if self.merge_impl not in ("auto", "xla", "pallas"):
-            raise ValueError(f"merge_impl must be 'auto', 'xla' or 'pallas', "
+        if self.merge_impl not in ("auto", "xla", "pallas", "launch"):
+            raise ValueError(f"merge_impl must be 'auto', 'xla', 'pallas' or 'launch', "
                              f"got {self.merge_impl!r}")
-        if self.merge_impl == "pallas" and self.attention_impl != "pallas":
-            raise ValueError("merge_impl='pallas' needs attention_impl='pallas': the policy "
-                             "kernel merges the attention kernel's partials")
+        if self.merge_impl in ("pallas", "launch") and self.attention_impl != "pallas":
+            raise ValueError(f"merge_impl={self.merge_impl!r} needs attention_impl='pallas': "
+                             "the kernels merge the attention kernel's partials")
         if self.kernel_tiles not in ("auto", "queries", "tokens"):
             raise ValueError(f"kernel_tiles must be 'auto', 'queries' or 'tokens', "
                              f"got {self.kernel_tiles!r}")
@@ -227,10 +234,16 @@ class DiffKVCache(SlotAccounting):
     @property
     def merges_in_policy(self) -> bool:
         """Whether the policy launch merges the attention launch's partials itself
-        (``merge_impl="pallas"``) instead of XLA's segment reductions."""
+        (``merge_impl="pallas"``, or one partial per row with ``"launch"``) instead of
+        XLA's segment reductions."""
         if self.merge_impl == "auto":
             return self._kernels_compiled
-        return self.merge_impl == "pallas"
+        return self.merge_impl in ("pallas", "launch")
+
+    @property
+    def merges_in_launch(self) -> bool:
+        """Whether the attention launch merges its own rows (``merge_impl="launch"``)."""
+        return self.merge_impl == "launch"
 
     @property
     def decides_in_kernel(self) -> bool:
@@ -335,6 +348,7 @@ class DiffKVCache(SlotAccounting):
             prompt_len=jnp.zeros((S + 1,), jnp.int32),
             free=fl.new_free_list(num_pages),
             alloc_failed=jnp.zeros((), bool),
+            merge_counters=pdk.merge_counters(S, H),
         )
 
     @staticmethod

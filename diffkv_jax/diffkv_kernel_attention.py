@@ -209,9 +209,13 @@ def kernel_decode_attention(method, state, layer, q, k_new, v_new, n_hi: int, n_
 
 
 def _tier_partials(method, state, layer, q, n_hi: int, n_lo: int, work: pdk.WorkList,
-                   padded_stats: bool = False):
+                   padded_stats: bool = False, merged: bool = False):
     """The attention launch over the layer's cached tiers: ``(grouped queries,
-    (o, m, l, logits), page IDs per tier)`` (:func:`pdk.paged_decode_partials`)."""
+    (o, m, l, logits), page IDs per tier)`` (:func:`pdk.paged_decode_partials`), or
+    with ``merged`` ``(grouped queries, (o, m, l, logits, counters), page IDs)``:
+    one unnormalized partial per row ``o [S, H, G, D]``, ``m, l [S, H, G]`` (rows
+    without items unwritten) from the launch that merges its rows
+    (:func:`pdk.paged_decode_merged`, counting on ``state.merge_counters``)."""
     S, nq, D = q.shape
     H = method.num_kv_heads
     G = nq // H
@@ -233,10 +237,14 @@ def _tier_partials(method, state, layer, q, n_hi: int, n_lo: int, work: pdk.Work
         tiers.append(pdk.TierInput(fmt, keys, values, (state.k_meta, state.v_meta), pages[-1],
                                    state.n_tok[:S, layer, :, tier]))
     tokens = method.token_tiles
-    parts = pdk.paged_decode_partials(qg, tiers, group=G,
-                                      cfg=_launch(True, D, tokens, tier_weights(present),
-                                                  method.logits_dtype),
-                                      work=work, padded_stats=padded_stats,
+    cfg = _launch(True, D, tokens, tier_weights(present), method.logits_dtype)
+    if merged:
+        parts = pdk.paged_decode_merged(qg, tiers, work=work, counters=state.merge_counters,
+                                        group=G, cfg=cfg, padded_rows=_tile_rows(G, tokens),
+                                        normalize=False, zero_empty=False)
+        return qg, parts, pages
+    parts = pdk.paged_decode_partials(qg, tiers, group=G, cfg=cfg, work=work,
+                                      padded_stats=padded_stats,
                                       padded_rows=_tile_rows(G, tokens))
     return qg, parts, pages
 
@@ -256,7 +264,19 @@ def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: i
     H = method.num_kv_heads
     G = nq // H
     fused = method.merges_in_policy
-    if fused:  # the policy launch merges the partials (and the newcomer) itself
+    if fused and method.merges_in_launch:  # each row one partial, merged by the launch
+        qg, (o, m, l, logits, counters), pages = _tier_partials(
+            method, state, layer, q, n_hi, n_lo, work, merged=True)
+        state = state.replace(merge_counters=counters)
+        R = S * H
+        # The policy launch folds each row's partial (none for rows without items)
+        # with the newcomer.
+        has = (work.ranges[:, 1] > 0).astype(jnp.int32)
+        ranges = jnp.stack([jnp.arange(R, dtype=jnp.int32), has], axis=-1).reshape(S, H, 2)
+        partials = RowPartials(o.reshape(R, G, D), m.reshape(R, G), l.reshape(R, G), ranges,
+                               qg, k_new, v_new)
+        M = L = None
+    elif fused:  # the policy launch merges the partials (and the newcomer) itself
         qg, (o, m, l, logits), pages = _tier_partials(method, state, layer, q, n_hi, n_lo,
                                                       work, padded_stats=True)
         partials = RowPartials(o, m, l, work.ranges.reshape(S, H, 2), qg, k_new, v_new)

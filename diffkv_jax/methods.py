@@ -187,10 +187,11 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     ``write_impl`` ("auto", "xla" or "pallas": how decode writes its tokens; "auto"
     is the kernel on the GPU kernel path), ``decide_impl`` ("auto", "xla" or "pallas":
     the decode decision as XLA ops or inside the token-writes launch; "auto" is the
-    launch where the fused writes run compiled on a GPU), ``merge_impl`` ("auto", "xla"
-    or "pallas": the merge of the attention kernel's partials as XLA segment reductions
-    or inside the policy kernel's launch; "auto" is the launch where the kernels run
-    compiled on a GPU), ``kernel_tiles`` ("auto", "queries" or "tokens": the decode
+    launch where the fused writes run compiled on a GPU), ``merge_impl`` ("auto", "xla",
+    "pallas" or "launch": the merge of the attention kernel's partials as XLA segment
+    reductions, inside the policy kernel's launch, or inside the attention launch
+    itself (the policy launch then folds one partial per row); "auto" is "pallas"
+    where the kernels run compiled on a GPU), ``kernel_tiles`` ("auto", "queries" or "tokens": the decode
     kernel's dot tiles with the query rows or a page's tokens as their rows; "auto" is
     "tokens" where the kernels run compiled on a GPU), ``lane_victims`` (the policy
     launch's victim search reduced once after its walk instead of in every step),

@@ -237,7 +237,7 @@ def unpack_meta_f32(word: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
-            interpret: bool, merge_items: int = 0):
+            interpret: bool, merge_items: int = 0, normalize: bool = True):
     n_t = len(tiers)
     items_ref, q_ref, tier_refs = refs[0], refs[1], refs[2:2 + 6 * n_t]
     refs = refs[2 + 6 * n_t:]
@@ -519,7 +519,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
     if merge_items:
         _store_and_merge(merge_refs, (o_ref, m_ref, l_ref), outs, m * LN2, l, item,
                          (s_i, h_i, begin < end), group=group, width=w,
-                         items_per_step=merge_items, interpret=interpret)
+                         items_per_step=merge_items, normalize=normalize, interpret=interpret)
         return
     for i, o in enumerate(outs):
         store_rows(o_ref, (), pl.ds(i * w, w), o)
@@ -528,11 +528,12 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
 
 
 def _store_and_merge(merge_refs, partial_refs, outs, m, l, item, row_item, *, group: int,
-                     width: int, items_per_step: int, interpret: bool):
+                     width: int, items_per_step: int, normalize: bool, interpret: bool):
     """The end of a :func:`paged_decode_merged` program: a row of one item writes its
-    normalized output; otherwise the item stores its partials, counts itself done
-    with an atomic add on its row's counter, and the row's last item to finish
-    merges every item of the row (:mod:`partial_fold`) and resets the counter.
+    output; otherwise the item stores its partials, counts itself done with an
+    atomic add on its row's counter, and the row's last item to finish merges
+    every item of the row (:mod:`partial_fold`) and resets the counter. The
+    output is divided by the row's sum where ``normalize``.
 
     ``outs``: the item's unnormalized output, ``[Gp, width]`` column parts; ``m``
     (natural units), ``l [Gp]``; ``row_item``: ``(s, h, used)``, ``used`` False for
@@ -565,7 +566,8 @@ def _store_and_merge(merge_refs, partial_refs, outs, m, l, item, row_item, *, gr
     def _alone():  # the row's only item: its output is the row's
         inv = 1.0 / jnp.where(l > 0, l, 1.0)
         for i, o in enumerate(outs):
-            put(out_ref, (s_i, h_i), (o * inv[:, None]).astype(out_ref.dtype), i * width)
+            o = o * inv[:, None] if normalize else o
+            put(out_ref, (s_i, h_i), o.astype(out_ref.dtype), i * width)
         put(M_ref, (s_i, h_i), m)
         put(L_ref, (s_i, h_i), l)
 
@@ -608,7 +610,8 @@ def _store_and_merge(merge_refs, partial_refs, outs, m, l, item, row_item, *, gr
                                     cols[None, None, :])))
 
             carry = partial_fold.fold_items(load, first, count, n, D, items_per_step)
-            put(out_ref, (s_i, h_i), partial_fold.normalized(carry).astype(out_ref.dtype))
+            out = partial_fold.normalized(carry) if normalize else carry[2]
+            put(out_ref, (s_i, h_i), out.astype(out_ref.dtype))
             put(M_ref, (s_i, h_i), carry[0])
             put(L_ref, (s_i, h_i), carry[1])
             cnt_ref[row] = jnp.int32(0)
@@ -846,8 +849,9 @@ def _check_launch(q, tiers, padded_rows, group, interpret):
 def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
                  interpret: bool, merge=None):
     """The decode launch's outputs: per item ``o, m, l`` (``Gp`` rows, or ``G`` for
-    ``o`` on the GPU), then with ``merge = (counters, out_dtype, items_per_step)``
-    the merged ``out, M, L`` (the same rows) and the counters, then the logits."""
+    ``o`` on the GPU), then with ``merge = (counters, out_dtype, items_per_step,
+    normalize)`` the merged ``out, M, L`` (the same rows) and the counters, then the
+    logits."""
     S, H, _, D = q.shape
     N = work.size
     whole = lambda a: pl.BlockSpec(a.shape, lambda w: (0,) * a.ndim)  # noqa: E731
@@ -882,7 +886,8 @@ def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
             out_specs.append(pl.BlockSpec(shape, lambda w: (0, 0, 0, 0)))
     kernel = functools.partial(_kernel, tiers=tuple(t.fmt for t in tiers), cfg=cfg,
                                group=G, interpret=interpret,
-                               merge_items=0 if merge is None else merge[2])
+                               merge_items=0 if merge is None else merge[2],
+                               normalize=merge is None or merge[3])
     name = "paged_decode_" + "_".join(f"k{t.fmt.k_bits}v{t.fmt.v_bits}" for t in tiers)
     return pl.pallas_call(
         kernel, grid=(N,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -906,6 +911,7 @@ def paged_decode_merged(q, tiers: Sequence[TierInput], *, work: WorkList,
                         counters: jax.Array | None = None, group: int | None = None,
                         cfg: LaunchConfig = LaunchConfig(), out_dtype=jnp.float32,
                         padded_rows: int | None = None, items_per_step: int = 4,
+                        normalize: bool = True, zero_empty: bool = True,
                         interpret: bool | None = None):
     """Attention of ``q`` over every tier of each row, merged inside the one launch.
 
@@ -924,6 +930,11 @@ def paged_decode_merged(q, tiers: Sequence[TierInput], *, work: WorkList,
       out_dtype: dtype of ``out``.
       items_per_step: items the merging program loads and folds together (a power
         of two; its loads are registers held at the launch's end).
+      normalize: False leaves ``out`` undivided by ``L``: each row's ``(out, M, L)``
+        is then one partial of the row, for a consumer that merges more into it
+        (the policy launch, with the token being decoded).
+      zero_empty: False leaves the rows without items unwritten, for a consumer that
+        reads only the rows with items (no select over the output).
     Returns:
       ``(out [S,H,G,D], M [S,H,G], L [S,H,G], logits, counters)``: as
       :func:`merge_work` (rows without items: zeros, ``M = NEG_INF``, ``L = 0``),
@@ -941,13 +952,14 @@ def paged_decode_merged(q, tiers: Sequence[TierInput], *, work: WorkList,
         raise ValueError(f"counters must be int32 [{S * H}], got {counters.dtype} "
                          f"{counters.shape}")
     outs = _decode_call(q, tiers, G, Gp, cfg, work, interpret,
-                        (counters, out_dtype, items_per_step))
+                        (counters, out_dtype, items_per_step, normalize))
     out, M, L = (x[:, :, :G] for x in outs[3:6])
-    # Rows without items were never written: zeros, as merge_work leaves them (an
-    # elementwise select that XLA fuses into the output's consumer).
-    has = (work.ranges[:, 1] > 0).reshape(S, H, 1)
-    out = jnp.where(has[..., None], out, jnp.zeros((), out.dtype))
-    M, L = jnp.where(has, M, NEG_INF), jnp.where(has, L, 0.0)
+    if zero_empty:
+        # Rows without items were never written: zeros, as merge_work leaves them (an
+        # elementwise select that XLA fuses into the output's consumer).
+        has = (work.ranges[:, 1] > 0).reshape(S, H, 1)
+        out = jnp.where(has[..., None], out, jnp.zeros((), out.dtype))
+        M, L = jnp.where(has, M, NEG_INF), jnp.where(has, L, 0.0)
     logits = [x[:, :, :G] for x in outs[7:]] if cfg.emit_logits else [None] * len(tiers)
     return out, M, L, logits, outs[6]
 

@@ -9,6 +9,7 @@
 #   bash scripts/h200_figures.sh compare      # the two over the window both served
 #   bash scripts/h200_figures.sh attention    # the decode-attention grid
 #   bash scripts/h200_figures.sh merged       # the launch that merges its own rows, against merge_rows
+#   bash scripts/h200_figures.sh merged-step  # DiffKV's decode step with it (merge_impl=launch)
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
 #   bash scripts/h200_figures.sh policy       # the policy launch: its floor, the lane victim search
@@ -65,6 +66,12 @@ case "${1:-}" in
       --chain 32 --plan step \
       --variants "tokens=1,merge=8;tokens=1,merge=last;tokens=1,merge=last,wave=1584" \
       --json "$OUT/bench_ragged_merged.json" ;;
+  merged-step)
+    for M in pallas launch; do
+      python scripts/step_breakdown.py --model llama3-8b --methods diffkv --batch 64 \
+        --context 4096 --iters 5 --only-step --profile 3 --diffkv-options "merge_impl=$M" \
+        --json "$OUT/step_merge_$M.json"
+    done ;;
   ragged)
     python scripts/bench_ragged_attention.py --json "$OUT/bench_ragged_attention.json" ;;
   policy)
@@ -79,6 +86,6 @@ case "${1:-}" in
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac

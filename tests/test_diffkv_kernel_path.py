@@ -227,6 +227,45 @@ def test_merge_in_the_policy_launch_serves_the_same_tokens(tiny_model, compiled)
 
 @pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
                          ids=["here", "gpu"])
+def test_merge_in_the_attention_launch_serves_the_same_tokens(tiny_model, compiled):
+    # merge_impl="launch": each row's last work item merges the row inside the
+    # attention launch, and the policy launch folds that one partial with the token
+    # being decoded. Equal up to rounding: the same greedy tokens, close scores, and
+    # the merge counters zero again after every launch.
+    cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=10)
+    policy = make_method("diffkv", cfg, max_seqs=2, max_context=128,
+                         page_size=16 if compiled else 8, window=8, attention_impl="pallas",
+                         alpha_high=1.0, alpha_low=0.05, merge_impl="pallas")
+    launch = dataclasses.replace(policy, merge_impl="launch")
+    assert launch.merges_in_launch and launch.merges_in_policy
+    assert not policy.merges_in_launch
+    runs = _serve_both(cfg, params, prompts, (policy, launch))
+    assert runs[0][2]["frac_low"] > 0
+    np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="merge_impl"):
+        make_method("diffkv", cfg, max_seqs=2, max_context=128, merge_impl="launch")
+
+
+def test_merge_counters_stay_zero_between_launches(tiny_model):
+    # The attention launch's merge counters live in the state, zero between launches.
+    from diffkv_jax.engine import Engine
+    from diffkv_jax.generation import SamplingParams
+
+    cfg, params, prompts = _two_prompts(tiny_model, False, seed=11)
+    method = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=8, window=8,
+                         attention_impl="pallas", alpha_high=1.0, alpha_low=0.05,
+                         merge_impl="launch")
+    eng = Engine(cfg, params, method, num_pages=2 * method.pages_for_tokens(128) + 64)
+    for p in prompts:
+        eng.add_request(p, SamplingParams(max_new_tokens=6))
+    for _ in range(4):
+        eng.step()
+    counters = np.asarray(eng.state.merge_counters)
+    assert counters.shape == (2 * cfg.num_kv_heads,) and not counters.any()
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
+                         ids=["here", "gpu"])
 def test_token_tiles_serve_the_same_tokens(tiny_model, compiled):
     # kernel_tiles="tokens": the decode launch takes its dots with a page's tokens
     # as the tiles' rows (LaunchConfig.transposed). Only summation order and the

@@ -22,8 +22,9 @@ def launch_case(tier_set, D, G, work_items, *, seed, S=5, H=2, NP=5, P=40, trans
     """Random tiers of ``S x H`` rows (sequences 1 and 4 inactive, row (0, 0) empty),
     queries, the launch setting and a work list of ``work_items`` items."""
     rng = np.random.default_rng(seed)
-    tiers = [make_tier(rng, pdk.TierFormat(kb, vb, D, cap), P, S, H, NP)[0]
-             for kb, vb, cap in TIER_SETS[tier_set]]
+    made = [make_tier(rng, pdk.TierFormat(kb, vb, D, cap), P, S, H, NP)
+            for kb, vb, cap in TIER_SETS[tier_set]]
+    tiers = [t for t, _, _ in made]
     q = jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32)
     exact = interpret and not transposed
     quantized = tiers[0].fmt.quantized
@@ -35,7 +36,10 @@ def launch_case(tier_set, D, G, work_items, *, seed, S=5, H=2, NP=5, P=40, trans
     active[[1, 4] if S > 4 else []] = False
     work = pdk.plan_work(pdk.row_pages(tiers, jnp.asarray(active)), work_items)
     rows = pdk.tile_rows(G, cfg.transposed) if not interpret else G
-    return q, tiers, cfg, work, rows
+    # The plain-jnp reference's attention of every row over its dequantized tokens.
+    ref = pdk.merge_partials([pdk.tier_attention_reference(q, kh, vh, t.n_tok)[:3]
+                              for t, kh, vh in made])[0]
+    return q, tiers, cfg, work, rows, ref
 
 
 def merged_and_reference(q, tiers, cfg, work, rows, G, *, interpret=True, items_per_step=4,
@@ -77,7 +81,7 @@ def test_merged_launch_matches_its_partials_merged(tier_set, D, G, work_items,
                                                    items_per_step):
     # 11 items: most rows have one (written directly); 64: rows of up to ~10 items,
     # folded in blocks of 1 or 4 (the last block partly past the row).
-    q, tiers, cfg, work, rows = launch_case(tier_set, D, G, work_items,
+    q, tiers, cfg, work, rows, jnp_ref = launch_case(tier_set, D, G, work_items,
                                             seed=work_items + D + G + items_per_step)
     counts = np.asarray(work.ranges)[:, 1]
     assert (counts == 0).any()  # inactive and empty rows: no items
@@ -88,6 +92,9 @@ def test_merged_launch_matches_its_partials_merged(tier_set, D, G, work_items,
     check_merged(got, ref, logits, tiers, work, 2e-5)
     out, M, L = got[:3]
     no_items = counts.reshape(q.shape[:2]) == 0
+    # Against the plain-jnp reference too (float32 dots; rows with tokens).
+    scale = float(jnp.abs(jnp_ref[~no_items]).max())
+    assert float(jnp.abs(out - jnp_ref)[~no_items].max()) <= 1e-4 * scale
     assert float(jnp.abs(out[no_items]).max()) == 0 and float(L[no_items].max()) == 0
     assert float(M[no_items].max()) == np.float32(pdk.NEG_INF)
     assert float(jnp.abs(out[~no_items]).min()) > 0
@@ -96,7 +103,7 @@ def test_merged_launch_matches_its_partials_merged(tier_set, D, G, work_items,
 @pytest.mark.parametrize("transposed,lanes", [(True, 2), (False, 2)])
 def test_merged_launch_with_token_tiles_and_lanes(transposed, lanes):
     # The engine's quantized launch: float16 codes, page lanes, token tiles.
-    q, tiers, cfg, work, rows = launch_case("k8v4+k4v2 wide", 128, 4, 40, seed=7,
+    q, tiers, cfg, work, rows, jnp_ref = launch_case("k8v4+k4v2 wide", 128, 4, 40, seed=7,
                                             transposed=transposed, lanes=lanes)
     got, ref, logits = merged_and_reference(q, tiers, cfg, work, rows, 4)
     check_merged(got, ref, logits, tiers, work, 2e-5)
@@ -105,7 +112,7 @@ def test_merged_launch_with_token_tiles_and_lanes(transposed, lanes):
 def test_counters_pass_from_launch_to_launch():
     # A decode step makes the counters once and passes each launch's to the next
     # (donated, updated in place); every launch merges the same.
-    q, tiers, cfg, work, rows = launch_case("k8v4+k4v2", 64, 3, 40, seed=3)
+    q, tiers, cfg, work, rows, jnp_ref = launch_case("k8v4+k4v2", 64, 3, 40, seed=3)
     _, ref, _ = merged_and_reference(q, tiers, cfg, work, rows, 3)
 
     @jax.jit
@@ -124,7 +131,7 @@ def test_counters_pass_from_launch_to_launch():
 
 
 def test_out_dtype_and_bad_arguments():
-    q, tiers, cfg, work, rows = launch_case("k8v4+k4v2", 64, 3, 16, seed=5)
+    q, tiers, cfg, work, rows, jnp_ref = launch_case("k8v4+k4v2", 64, 3, 16, seed=5)
     got, ref, _ = merged_and_reference(q, tiers, cfg, work, rows, 3, out_dtype=jnp.bfloat16)
     assert got[0].dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(ref[0]), rtol=1e-2,
@@ -179,7 +186,7 @@ def test_compiled_merged_launch_matches_on_gpu(tier_set, D, G, lanes):
     # Many items per row finishing in any order, 24 launches passing their counters
     # on: every launch's rows equal the same partials merged by XLA (the fold's order
     # is fixed, so only a lost or stale partial would move them).
-    q, tiers, cfg, work, rows = launch_case(tier_set, D, G, 1024, seed=D + G, S=8, H=8,
+    q, tiers, cfg, work, rows, jnp_ref = launch_case(tier_set, D, G, 1024, seed=D + G, S=8, H=8,
                                             NP=48, P=400, transposed=True, lanes=lanes,
                                             interpret=False)
     assert np.asarray(work.ranges)[:, 1].max() >= 8
@@ -199,3 +206,33 @@ def test_compiled_merged_launch_matches_on_gpu(tier_set, D, G, lanes):
     err = np.abs(np.asarray(outs) - np.asarray(ref[0])[None]).max()
     assert err <= 1e-5 * max(1.0, float(np.abs(np.asarray(ref[0])).max()))
     assert not np.asarray(counters).any()
+
+
+def test_unnormalized_rows_are_one_partial_each():
+    # normalize=False: (out, M, L) of a row is one partial (out / L the attention), so
+    # merging it with another source gives what merging every item with it gives.
+    q, tiers, cfg, work, rows, _ = launch_case("k8v4+k4v2", 64, 3, 40, seed=13)
+    S, H = q.shape[:2]
+    o, m, l, _ = pdk.paged_decode_partials(q, tiers, group=3, cfg=cfg, work=work,
+                                           interpret=True)
+    rng = np.random.default_rng(1)
+    extra = (jnp.asarray(rng.normal(size=(S, H, 3, 64)), jnp.float32),
+             jnp.asarray(rng.normal(size=(S, H, 3)), jnp.float32), jnp.ones((S, H, 3)))
+    ref = pdk.merge_work(o, m, l, work, S, H, extra)
+    out, M, L, _, _ = pdk.paged_decode_merged(q, tiers, work=work, group=3, cfg=cfg,
+                                              normalize=False, interpret=True)
+    has = np.asarray(work.ranges)[:, 1] > 0
+    # One item per row (rows without items: the empty partial, zeros and NEG_INF).
+    rows_ = jnp.arange(S * H, dtype=jnp.int32)
+    one = pdk.WorkList(work.items[:S * H], rows_, S * H,
+                       jnp.stack([rows_, jnp.ones_like(rows_)], -1))
+    got = pdk.merge_work(out.reshape(S * H, 3, 64), M.reshape(S * H, 3), L.reshape(S * H, 3),
+                         one, S, H, extra)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-5, atol=2e-5)
+    # Left unnormalized, a row's output is its sum of weighted values, not their mean.
+    normalized = pdk.paged_decode_merged(q, tiers, work=work, group=3, cfg=cfg,
+                                         interpret=True)[0]
+    live = has.reshape(S, H)
+    np.testing.assert_allclose(np.asarray(out / L[..., None])[live],
+                               np.asarray(normalized)[live], rtol=2e-5, atol=2e-5)
