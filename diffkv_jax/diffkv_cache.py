@@ -241,7 +241,7 @@ class DiffKVCache(SlotAccounting):
         return self.merge_impl in ("pallas", "launch")
 
     @property
-    def merges_in_launch(self) -> bool:
+    def merges_in_attention(self) -> bool:
         """Whether the attention launch merges its own rows (``merge_impl="launch"``)."""
         return self.merge_impl == "launch"
 

@@ -129,7 +129,7 @@ def plan_full_work(lengths, active, page_size: int, H: int) -> pdk.WorkList:
 
 
 def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work: pdk.WorkList,
-                          merge_in_launch: bool = False):
+                          merge_in_launch: bool = False, counters=None):
     """:func:`diffkv_jax.attention.paged_decode_attention` through the kernel.
 
     ``q [S, nq, D]``; ``k_pages, v_pages [P, page_size, D]``; ``page_ids [S, H, n]``;
@@ -138,6 +138,10 @@ def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work: pdk.Work
     merged by one launch (:func:`pallas_kernels.row_merge.merge_rows`), which writes
     the output in ``q``'s dtype, instead of XLA's segment reductions. Returns
     ``[S, nq, D]``, float32 (or ``q``'s dtype with ``merge_in_launch``).
+
+    ``counters`` (``[S * H]`` int32 zeros): the attention launch merges its own rows
+    instead (:func:`pdk.paged_decode_merged`, output in ``q``'s dtype), and
+    ``(out, counters)`` is returned, the counters zero again for the next launch.
     """
     S, nq, D = q.shape
     H = page_ids.shape[1]
@@ -145,6 +149,11 @@ def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work: pdk.Work
     fmt = pdk.TierFormat(16, 16, D, k_pages.shape[1])
     ntok = jnp.broadcast_to(lengths[:, None], (S, H)).astype(jnp.int32)
     tier = pdk.TierInput(fmt, k_pages, v_pages, None, page_ids, ntok)
+    if counters is not None:
+        out, _, _, _, counters = pdk.paged_decode_merged(
+            _grouped_query(q, H), [tier], work=work, counters=counters, group=G,
+            cfg=_launch(False), out_dtype=q.dtype, padded_rows=_tile_rows(G))
+        return out.reshape(S, nq, D), counters
     o, m, l, _ = pdk.paged_decode_partials(_grouped_query(q, H), [tier], group=G,
                                            cfg=_launch(False), work=work,
                                            padded_rows=_tile_rows(G))
@@ -264,7 +273,7 @@ def kernel_decode_step(method, state, layer, q, k_new, v_new, n_hi: int, n_lo: i
     H = method.num_kv_heads
     G = nq // H
     fused = method.merges_in_policy
-    if fused and method.merges_in_launch:  # each row one partial, merged by the launch
+    if fused and method.merges_in_attention:  # each row one partial, merged by the launch
         qg, (o, m, l, logits, counters), pages = _tier_partials(
             method, state, layer, q, n_hi, n_lo, work, merged=True)
         state = state.replace(merge_counters=counters)

@@ -176,9 +176,9 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     """Build the cache method ``name`` for ``cfg``.
 
     ``full`` options: ``page_size`` (tokens per page, default 16), ``attention_impl``,
-    ``merge_impl`` ("auto", "xla" or "pallas": the kernel path's work items merged by
-    XLA segment reductions or by one launch; "auto" is the launch where the kernels
-    run compiled on a GPU).
+    ``merge_impl`` ("auto", "xla", "pallas" or "launch": the kernel path's work items
+    merged by XLA segment reductions, by one launch, or inside the attention launch
+    itself; "auto" is "pallas" where the kernels run compiled on a GPU).
     ``diffkv`` options: ``page_size`` (high-tier tokens per page, default 32),
     ``alpha_high``, ``alpha_low``, ``window``, ``obs_window``, ``low_tier``,
     ``normalizer``, ``high_frac`` / ``low_frac`` (a fixed tier mix; see

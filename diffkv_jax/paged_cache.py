@@ -43,6 +43,7 @@ class PagedKVState:
     lengths: jax.Array
     free: fl.FreeList
     alloc_failed: jax.Array  # [] bool, sticky: some allocation found the ring too short
+    merge_counters: jax.Array  # [S * H] int32, zero between launches (merge_impl="launch")
 
 
 class SlotAccounting:
@@ -116,8 +117,10 @@ class FullCache(SlotPages):
       merge_impl: how the kernel path merges its work items: "xla" (segment
         reductions, :func:`pallas_kernels.paged_decode.merge_work`), "pallas" (one
         launch, :func:`pallas_kernels.row_merge.merge_rows`, the output written in
-        the query's dtype), or "auto": "pallas" where the kernels run compiled on a
-        GPU, "xla" otherwise.
+        the query's dtype), "launch" (inside the attention launch, by each row's
+        last item: :func:`pallas_kernels.paged_decode.paged_decode_merged`, its
+        counters in the state; not yet timed on the GPU), or "auto": "pallas" where
+        the kernels run compiled on a GPU, "xla" otherwise.
     """
 
     num_layers: int
@@ -139,9 +142,12 @@ class FullCache(SlotPages):
                              f"got {self.attention_impl!r}")
         if self.attention_impl == "pallas" and self.head_dim % 16:
             raise ValueError("the Pallas kernel needs head_dim % 16 == 0")
-        if self.merge_impl not in ("auto", "xla", "pallas"):
-            raise ValueError(f"merge_impl must be 'auto', 'xla' or 'pallas', "
+        if self.merge_impl not in ("auto", "xla", "pallas", "launch"):
+            raise ValueError(f"merge_impl must be 'auto', 'xla', 'pallas' or 'launch', "
                              f"got {self.merge_impl!r}")
+        if self.merge_impl == "launch" and self.attention_impl != "pallas":
+            raise ValueError("merge_impl='launch' needs attention_impl='pallas': the "
+                             "attention kernel merges its own rows")
 
     @property
     def merges_in_launch(self) -> bool:
@@ -150,6 +156,11 @@ class FullCache(SlotPages):
             from pallas_kernels import backend
             return backend.runs_compiled(self.attention_impl)
         return self.merge_impl == "pallas"
+
+    @property
+    def merges_in_attention(self) -> bool:
+        """Whether the attention launch merges its own rows (``merge_impl="launch"``)."""
+        return self.merge_impl == "launch"
 
     # ---- geometry -------------------------------------------------------------
     @property
@@ -200,6 +211,7 @@ class FullCache(SlotPages):
             lengths=jnp.zeros((S + 1,), jnp.int32),
             free=fl.new_free_list(num_pages),
             alloc_failed=jnp.zeros((), bool),
+            merge_counters=jnp.zeros((S * H,), jnp.int32),
         )
 
     @staticmethod
@@ -304,6 +316,13 @@ class FullCache(SlotPages):
         state = state.replace(k_pages=scatter_set(state.k_pages, (page, off), k),
                               v_pages=scatter_set(state.v_pages, (page, off), v))
         ids = rows[:, :, :batch.num_page_slots]
+        if self.merges_in_attention:  # the kernel's own launch, counting on the state
+            from diffkv_jax.diffkv_kernel_attention import full_decode_attention
+
+            out, counters = full_decode_attention(q[:, 0], state.k_pages, state.v_pages, ids,
+                                                  pos + 1, batch.work,
+                                                  counters=state.merge_counters)
+            return state.replace(merge_counters=counters), out[:, None]
         out = self._paged_attention(layer, q[:, 0], state.k_pages, state.v_pages, ids,
                                     pos + 1, batch.work)
         return state, out[:, None]

@@ -154,14 +154,16 @@ def test_pallas_impl_rejects_unfit_tiers():
         DiffKVCache(1, 1, 16, 1, 64, high=Tier(8, 4), low=Tier(8, 2), attention_impl="pallas")
 
 
-@pytest.mark.parametrize("merge", ["xla", "pallas"])
+@pytest.mark.parametrize("merge", ["xla", "pallas", "launch"])
 def test_full_cache_kernel_path_matches_reference_path(tiny_model, merge):
+    # "launch": the attention launch merges its own rows (its counters in the state).
     cfg, params = tiny_model
     rng = np.random.default_rng(4)
     docs = [list(rng.integers(0, cfg.vocab_size, size=90)) for _ in range(2)]
     ref = make_method("full", cfg, max_seqs=2, max_context=128, page_size=8)
     ker = dataclasses.replace(ref, attention_impl="pallas", merge_impl=merge)
     assert ker.merges_in_launch == (merge == "pallas")
+    assert ker.merges_in_attention == (merge == "launch")
     a = score_teacher_forced(cfg, params, ref, docs, 10, progress=False)
     b = score_teacher_forced(cfg, params, ker, docs, 10, progress=False)
     # Uncompressed, float32 dots: the two paths differ only in summation order.
@@ -178,6 +180,9 @@ def test_full_cache_rejects_unknown_attention_impl():
     with pytest.raises(ValueError, match="merge_impl"):
         make_method("full", PRESETS["smollm2-135m"], max_seqs=1, max_context=16,
                     merge_impl="fast")
+    with pytest.raises(ValueError, match="merge_impl"):  # needs the kernel path
+        make_method("full", PRESETS["smollm2-135m"], max_seqs=1, max_context=16,
+                    merge_impl="launch")
 
 
 def _serve(cfg, params, method, prompts, max_new: int, steps: int, dtype=jnp.float32):
@@ -237,8 +242,8 @@ def test_merge_in_the_attention_launch_serves_the_same_tokens(tiny_model, compil
                          page_size=16 if compiled else 8, window=8, attention_impl="pallas",
                          alpha_high=1.0, alpha_low=0.05, merge_impl="pallas")
     launch = dataclasses.replace(policy, merge_impl="launch")
-    assert launch.merges_in_launch and launch.merges_in_policy
-    assert not policy.merges_in_launch
+    assert launch.merges_in_attention and launch.merges_in_policy
+    assert not policy.merges_in_attention
     runs = _serve_both(cfg, params, prompts, (policy, launch))
     assert runs[0][2]["frac_low"] > 0
     np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-4, atol=1e-5)
@@ -375,6 +380,8 @@ def test_full_cache_merge_launch_serves_the_same_tokens_on_gpu(tiny_model):
     launch = dataclasses.replace(xla, merge_impl="auto")
     assert launch.merges_in_launch and not xla.merges_in_launch
     _serve_both(cfg, params, prompts, (xla, launch))
+    # ... and merged inside the attention launch (merge_impl="launch").
+    _serve_both(cfg, params, prompts, (xla, dataclasses.replace(xla, merge_impl="launch")))
 
 
 @pytest.mark.gpu
