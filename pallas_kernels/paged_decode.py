@@ -286,25 +286,12 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         q = q_ref[s_i, h_i, rows, pl.ds(start, width)]
         return (q.astype(jnp.float32) * qscale).astype(dtype)
 
-    def store_rows(ref, lead, cols, x):
-        """``ref[*lead, :, cols] = x`` for the real group rows only (on the GPU the
-        padded rows never reach memory; interpret mode stores them all)."""
-        stored = ref.shape[len(lead)]
-        if stored == Gp:
-            ref[(*lead, slice(None), cols)] = x
-        else:
-            from jax.experimental.pallas import triton as plgpu
-
-            rows = jnp.minimum(row_iota, stored - 1)
-            mask = lax.broadcasted_iota(jnp.int32, x.shape, 0) < stored
-            plgpu.store(ref.at[(*lead, rows, cols)], x, mask=mask)
-
     def store_logits(s_ref, col, s):
         s = s.astype(s_ref.dtype)
         if not tr:
-            store_rows(s_ref, (s_i, h_i), pl.ds(col, s.shape[1]), s)
+            _store_real_rows(s_ref, (s_i, h_i), s, col)
         elif interpret or s_ref.shape[2] == Gp:
-            store_rows(s_ref, (s_i, h_i), pl.ds(col, s.shape[0]), s.T)
+            _store_real_rows(s_ref, (s_i, h_i), s.T, col)
         else:  # the [slots, Gp] tile stored as it is held, real rows only
             from jax.experimental.pallas import triton as plgpu
 
@@ -522,7 +509,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                          items_per_step=merge_items, normalize=normalize, interpret=interpret)
         return
     for i, o in enumerate(outs):
-        store_rows(o_ref, (), pl.ds(i * w, w), o)
+        _store_real_rows(o_ref, (), o, i * w)
     m_ref[...] = m * LN2  # natural units outside the kernel
     l_ref[...] = l
 
@@ -548,35 +535,21 @@ def _store_and_merge(merge_refs, partial_refs, outs, m, l, item, row_item, *, gr
     row = s_i * H + h_i
     first, count = ranges_ref[row, 0], ranges_ref[row, 1]
 
-    def put(ref, lead, x, col=0):
-        """``x [n]`` or ``[n, c]`` into ``ref[*lead, :, col:col + c]``; where ``ref``
-        holds fewer rows than ``x`` (the real ones, on the GPU) the rest are masked off."""
-        stored, n = ref.shape[len(lead)], x.shape[0]
-        cols = () if x.ndim == 1 else (pl.ds(col, x.shape[1]),)
-        if stored == n:
-            ref[(*lead, slice(None), *cols)] = x
-            return
-        from jax.experimental.pallas import triton as plgpu
-
-        rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (n,), 0), stored - 1)
-        plgpu.store(ref.at[(*lead, rows, *cols)], x,
-                    mask=lax.broadcasted_iota(jnp.int32, x.shape, 0) < stored)
-
     @pl.when(used & (count == 1))
     def _alone():  # the row's only item: its output is the row's
         inv = 1.0 / jnp.where(l > 0, l, 1.0)
         for i, o in enumerate(outs):
             o = o * inv[:, None] if normalize else o
-            put(out_ref, (s_i, h_i), o.astype(out_ref.dtype), i * width)
-        put(M_ref, (s_i, h_i), m)
-        put(L_ref, (s_i, h_i), l)
+            _store_real_rows(out_ref, (s_i, h_i), o.astype(out_ref.dtype), i * width)
+        _store_real_rows(M_ref, (s_i, h_i), m)
+        _store_real_rows(L_ref, (s_i, h_i), l)
 
     @pl.when(used & (count > 1))
     def _shared():
         for i, o in enumerate(outs):
-            put(o_ref, (item,), o, i * width)
-        put(m_ref, (item,), m)
-        put(l_ref, (item,), l)
+            _store_real_rows(o_ref, (item,), o, i * width)
+        _store_real_rows(m_ref, (item,), m)
+        _store_real_rows(l_ref, (item,), l)
         if interpret:  # programs run one after another
             done = cnt_ref[row]
             cnt_ref[row] = done + 1
@@ -595,26 +568,31 @@ def _store_and_merge(merge_refs, partial_refs, outs, m, l, item, row_item, *, gr
             rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (n,), 0), group - 1)
             cols = lax.broadcasted_iota(jnp.int32, (D,), 0)
 
-            def get(ref, idx):
-                if interpret:
-                    return ref[idx]
-                from jax.experimental.pallas import triton as plgpu
-
-                # Other programs' stores: volatile loads skip this multiprocessor's L1.
-                return plgpu.load(ref.at[idx], volatile=True)
-
-            def load(items):
-                return (get(m_ref, (items[:, None], rows[None, :])),
-                        get(l_ref, (items[:, None], rows[None, :])),
-                        get(o_ref, (items[:, None, None], rows[None, :, None],
-                                    cols[None, None, :])))
-
+            # Other programs' stores: volatile loads skip this multiprocessor's L1.
+            load = partial_fold.item_loader(o_ref, m_ref, l_ref, rows, cols,
+                                            volatile=not interpret)
             carry = partial_fold.fold_items(load, first, count, n, D, items_per_step)
             out = partial_fold.normalized(carry) if normalize else carry[2]
-            put(out_ref, (s_i, h_i), out.astype(out_ref.dtype))
-            put(M_ref, (s_i, h_i), carry[0])
-            put(L_ref, (s_i, h_i), carry[1])
+            _store_real_rows(out_ref, (s_i, h_i), out.astype(out_ref.dtype))
+            _store_real_rows(M_ref, (s_i, h_i), carry[0])
+            _store_real_rows(L_ref, (s_i, h_i), carry[1])
             cnt_ref[row] = jnp.int32(0)
+
+
+def _store_real_rows(ref, lead, x, col=0):
+    """``x [n]`` or ``[n, c]`` into ``ref[*lead, :, col:col + c]``. Where ``ref`` holds
+    fewer rows than ``x`` (the real group rows, on the GPU) the rest are masked off
+    and never reach memory; interpret mode keeps every row."""
+    stored, n = ref.shape[len(lead)], x.shape[0]
+    cols = () if x.ndim == 1 else (pl.ds(col, x.shape[1]),)
+    if stored == n:
+        ref[(*lead, slice(None), *cols)] = x
+        return
+    from jax.experimental.pallas import triton as plgpu
+
+    rows = jnp.minimum(lax.broadcasted_iota(jnp.int32, (n,), 0), stored - 1)
+    plgpu.store(ref.at[(*lead, rows, *cols)], x,
+                mask=lax.broadcasted_iota(jnp.int32, x.shape, 0) < stored)
 
 
 def _merge_lanes(m, l, outs, n_lanes: int):

@@ -40,6 +40,26 @@ def empty_carry(rows: int, cols: int):
             jnp.zeros((rows, cols), jnp.float32))
 
 
+def item_loader(o_ref, m_ref, l_ref, rows, cols, volatile: bool = False) -> Callable:
+    """The ``load`` of :func:`fold_items` over partial refs ``o [N, >= G, D]``,
+    ``m, l [N, >= G]``: rows ``rows [G']`` and columns ``cols [D']`` of a block of
+    items. ``volatile`` (GPU only): loads that skip the multiprocessor's L1, for
+    partials other programs of the same launch stored."""
+    def get(ref, idx):
+        if not volatile:
+            return ref[idx]
+        from jax.experimental.pallas import triton as plgpu
+
+        return plgpu.load(ref.at[idx], volatile=True)
+
+    def load(items):
+        return (get(m_ref, (items[:, None], rows[None, :])),
+                get(l_ref, (items[:, None], rows[None, :])),
+                get(o_ref, (items[:, None, None], rows[None, :, None], cols[None, None, :])))
+
+    return load
+
+
 def fold_items(load: Callable, first, count, rows: int, cols: int, items_per_step: int,
                carry=None):
     """Fold items ``[first, first + count)`` into ``carry`` (default: empty).

@@ -43,10 +43,7 @@ def _kernel(*refs, group: int, items_per_step: int, with_extra: bool, interpret:
     dloc = lax.broadcasted_iota(jnp.int32, (D,), 0)
     dcol = pl.program_id(2) * D + dloc  # the columns of o (whole) this program merges
 
-    def load(item):
-        return (m_ref[item[:, None], rows[None, :]], l_ref[item[:, None], rows[None, :]],
-                o_ref[item[:, None, None], rows[None, :, None], dcol[None, None, :]])
-
+    load = partial_fold.item_loader(o_ref, m_ref, l_ref, rows, dcol)
     carry = partial_fold.fold_items(load, rng_ref[0], rng_ref[1], Gq, D, items_per_step)
     if with_extra:
         eo, em, el = extra_refs

@@ -180,10 +180,11 @@ def time_launch_ms(fn, q, *rest, chain: int = 0, prepare=None, threaded: bool = 
                                threaded=threaded)
     if prepare is not None:
         inner = fn
-        fn = jax.jit(lambda q, *rest: inner(q, prepare(*rest), *rest))
-        if threaded:
-            outer = fn
-            fn = jax.jit(lambda q, *rest: outer(q, *rest)[0])
+
+        @jax.jit
+        def fn(q, *rest):
+            out = inner(q, prepare(*rest), *rest)
+            return out[0] if threaded else out  # (outputs, prepared) where threaded
     return time_ms(fn, q, *rest)
 
 

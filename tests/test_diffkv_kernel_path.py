@@ -185,6 +185,14 @@ def test_full_cache_rejects_unknown_attention_impl():
                     merge_impl="launch")
 
 
+def _kernel_method(cfg, compiled: bool, **opts):
+    """DiffKV on the kernel path, as the serving comparisons below take it (pages of 16
+    tokens compiled: the GPU kernel's smallest dot tile; 8 in interpret mode)."""
+    return make_method("diffkv", cfg, max_seqs=2, max_context=128,
+                       page_size=16 if compiled else 8, window=8, attention_impl="pallas",
+                       alpha_high=1.0, alpha_low=0.05, **opts)
+
+
 def _serve(cfg, params, method, prompts, max_new: int, steps: int, dtype=jnp.float32):
     """``steps`` engine steps over ``prompts`` (compute ``dtype``): (outputs, scores or
     None where the cache keeps none, memory stats)."""
@@ -216,9 +224,7 @@ def test_merge_in_the_policy_launch_serves_the_same_tokens(tiny_model, compiled)
     # token being decoded itself. Equal up to rounding (an online merge), so the
     # greedy tokens match and the scores agree closely.
     cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=8)
-    xla = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16 if compiled else 8,
-                      window=8, attention_impl="pallas", alpha_high=1.0, alpha_low=0.05,
-                      merge_impl="xla")
+    xla = _kernel_method(cfg, compiled, merge_impl="xla")
     fused = dataclasses.replace(xla, merge_impl="pallas")
     assert fused.merges_in_policy and not xla.merges_in_policy
     # The default merges in the policy launch where the kernels run compiled.
@@ -238,9 +244,7 @@ def test_merge_in_the_attention_launch_serves_the_same_tokens(tiny_model, compil
     # being decoded. Equal up to rounding: the same greedy tokens, close scores, and
     # the merge counters zero again after every launch.
     cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=10)
-    policy = make_method("diffkv", cfg, max_seqs=2, max_context=128,
-                         page_size=16 if compiled else 8, window=8, attention_impl="pallas",
-                         alpha_high=1.0, alpha_low=0.05, merge_impl="pallas")
+    policy = _kernel_method(cfg, compiled, merge_impl="pallas")
     launch = dataclasses.replace(policy, merge_impl="launch")
     assert launch.merges_in_attention and launch.merges_in_policy
     assert not policy.merges_in_attention
@@ -257,9 +261,7 @@ def test_merge_counters_stay_zero_between_launches(tiny_model):
     from diffkv_jax.generation import SamplingParams
 
     cfg, params, prompts = _two_prompts(tiny_model, False, seed=11)
-    method = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=8, window=8,
-                         attention_impl="pallas", alpha_high=1.0, alpha_low=0.05,
-                         merge_impl="launch")
+    method = _kernel_method(cfg, False, merge_impl="launch")
     eng = Engine(cfg, params, method, num_pages=2 * method.pages_for_tokens(128) + 64)
     for p in prompts:
         eng.add_request(p, SamplingParams(max_new_tokens=6))
@@ -276,9 +278,7 @@ def test_token_tiles_serve_the_same_tokens(tiny_model, compiled):
     # as the tiles' rows (LaunchConfig.transposed). Only summation order and the
     # padding differ: the same greedy tokens and tier mix, scores close.
     cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=12)
-    queries = make_method("diffkv", cfg, max_seqs=2, max_context=128,
-                          page_size=16 if compiled else 8, window=8, attention_impl="pallas",
-                          alpha_high=1.0, alpha_low=0.05, kernel_tiles="queries")
+    queries = _kernel_method(cfg, compiled, kernel_tiles="queries")
     tokens = dataclasses.replace(queries, kernel_tiles="tokens")
     # The default takes token tiles where the kernels run compiled.
     assert dataclasses.replace(queries, kernel_tiles="auto").token_tiles == compiled
@@ -298,9 +298,7 @@ def test_lane_victims_serve_the_same_tokens(tiny_model, compiled):
     # lane_victims: the policy launch keeps each lane's best victim candidate and
     # reduces the lanes once after its walk. The same victims, so the same state.
     cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=14)
-    steps = make_method("diffkv", cfg, max_seqs=2, max_context=128,
-                        page_size=16 if compiled else 8, window=8, attention_impl="pallas",
-                        alpha_high=1.0, alpha_low=0.05)
+    steps = _kernel_method(cfg, compiled)
     lanes = dataclasses.replace(steps, lane_victims=True)
     runs = _serve_both(cfg, params, prompts, (steps, lanes))
     assert runs[0][2]["frac_low"] > 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_decode as pdk
-from tests.test_paged_decode_kernel import TIER_SETS, make_tier
+from tests.test_paged_decode_kernel import TIER_SETS, lowering_tiers, make_tier
 
 
 def launch_case(tier_set, D, G, work_items, *, seed, S=5, H=2, NP=5, P=40, transposed=False,
@@ -156,13 +156,7 @@ def test_gpu_lowering_releases_partials_before_counting():
     from scripts.kernel_resources import strip_locations, triton_ir
 
     D, G = 128, 4
-    tiers = []
-    for kb, vb, cap in [(8, 4, 32), (4, 2, 64)]:
-        fmt = pdk.TierFormat(kb, vb, D, cap)
-        kv, vv = pdk.page_views(jnp.zeros((8, fmt.data_bytes), jnp.uint8), fmt)
-        meta = (jnp.zeros((8, cap), jnp.uint32),) * 2
-        tiers.append(pdk.TierInput(fmt, kv, vv, meta, jnp.zeros((1, 1, 2), jnp.int32),
-                                   jnp.zeros((1, 1), jnp.int32)))
+    tiers = lowering_tiers(D)
     work = pdk.plan_work(jnp.ones((1, 1), jnp.int32), 4)
     cfg = pdk.LaunchConfig(transposed=True, page_lanes=2)
     fn = jax.jit(lambda q: pdk.paged_decode_merged(q, tiers, work=work, group=G, cfg=cfg,

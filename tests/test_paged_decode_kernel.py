@@ -552,6 +552,19 @@ def test_diffkv_cache_refuses_pools_the_kernel_cannot_address(monkeypatch):
         m.init_state(3 * 2**30 // m.layout.data_bytes)
 
 
+def lowering_tiers(D: int = 128):
+    """K8V4 and K4V2 tier inputs of zeros: shapes for lowering the launch for CUDA on
+    the CPU (nothing runs)."""
+    tiers = []
+    for kb, vb, cap in [(8, 4, 32), (4, 2, 64)]:
+        fmt = pdk.TierFormat(kb, vb, D, cap)
+        kv, vv = pdk.page_views(jnp.zeros((8, fmt.data_bytes), jnp.uint8), fmt)
+        meta = (jnp.zeros((8, cap), jnp.uint32),) * 2
+        tiers.append(pdk.TierInput(fmt, kv, vv, meta, jnp.zeros((1, 1, 2), jnp.int32),
+                                   jnp.zeros((1, 1), jnp.int32)))
+    return tiers
+
+
 def test_gpu_lowering_accumulates_in_the_mma():
     # Lowered for CUDA on the CPU: every product that adds to an accumulator goes
     # through backend.dot_acc, so no float add consumes a dot's result (with
@@ -565,13 +578,7 @@ def test_gpu_lowering_accumulates_in_the_mma():
 
     assert backend.FUSED_DOT_ACC
     D, G = 128, 4
-    tiers = []
-    for kb, vb, cap in [(8, 4, 32), (4, 2, 64)]:
-        fmt = pdk.TierFormat(kb, vb, D, cap)
-        kv, vv = pdk.page_views(jnp.zeros((8, fmt.data_bytes), jnp.uint8), fmt)
-        meta = (jnp.zeros((8, cap), jnp.uint32),) * 2
-        tiers.append(pdk.TierInput(fmt, kv, vv, meta, jnp.zeros((1, 1, 2), jnp.int32),
-                                   jnp.zeros((1, 1), jnp.int32)))
+    tiers = lowering_tiers(D)
     fn = jax.jit(lambda q: pdk.paged_decode_partials(q, tiers, group=G, interpret=False))
     ir = strip_locations(triton_ir(fn, jnp.zeros((1, 1, 16, D), jnp.bfloat16)))
     dots = re.findall(r"(%[\w#]+) = tt\.dot (%[\w#]+), (%[\w#]+), (%[\w#]+)", ir)
