@@ -182,6 +182,13 @@ class LaunchConfig:
     # about equal cost when a tier's page costs more than another's (K4V2's
     # 64-slot pages take about twice a K8V4 page's time).
     tier_weights: tuple = ()
+    # Load every tier's token count, and the page-table entry of each tier's first
+    # page, as soon as the work item is known, instead of at the start of each
+    # tier's loop. A loop's first page waits for its table entry, which waits for
+    # the token count: two dependent memory round trips per tier and item, a cost
+    # that does not shrink with the item. Early, they overlap the first loads and
+    # the first tier's loop. The results are the same.
+    early_row_loads: bool = False
 
     def __post_init__(self):
         if self.dot_dtype not in ("float16", "float32"):
@@ -337,15 +344,42 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             return grow(None)
         return lax.cond(jnp.max(m_next - m_prev) > RESCALE_SLACK, grow, lambda _: carry, None)
 
-    def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry, offset):
-        k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
-        n_tok = ntok_ref[s_i, h_i]
+    def tier_range(t, fmt: TierFormat, n_tok, offset):
+        """The tier's pages in the row, and the item's first and last (exclusive): the
+        units [begin, end) shifted past the earlier tiers; a page belongs to the item
+        holding its first unit."""
         row_pages = (n_tok + fmt.slots - 1) // fmt.slots
-        # The item's pages of this tier: the units [begin, end) shifted past the
-        # earlier tiers; a page belongs to the item holding its first unit.
         wt = cfg.weight(t)
         first = jnp.clip(-((offset - begin) // wt), 0, row_pages)
         last = jnp.clip(-((offset - end) // wt), 0, row_pages)
+        return row_pages, first, last
+
+    def early_loads():
+        """Per tier: its token count and the table entry of the item's first page
+        (cfg.early_row_loads). The first tier's entry is read at the item's start
+        clipped to the table only, so it needs no token count and its load
+        overlaps that of the counts."""
+        loads, offset = [], jnp.int32(0)
+        for t, fmt in enumerate(tiers):
+            pages_ref, ntok_ref = tier_refs[6 * t + 4], tier_refs[6 * t + 5]
+            n_tok = ntok_ref[s_i, h_i]
+            at = jnp.clip(-((offset - begin) // cfg.weight(t)), 0, pages_ref.shape[-1] - 1)
+            loads.append((n_tok, pages_ref[s_i, h_i, at]))
+            offset = offset + tier_range(t, fmt, n_tok, offset)[0] * cfg.weight(t)
+        return loads
+
+    def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry, offset, early=None):
+        k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
+        n_tok = ntok_ref[s_i, h_i] if early is None else early[0]
+        row_pages, first, last = tier_range(t, fmt, n_tok, offset)
+        wt = cfg.weight(t)
+
+        def page_id(index):
+            """The table entry ``index`` of the row; the item's first page from the
+            early load (the same entry: a loop step's index is below the row's pages,
+            so the first is unclipped)."""
+            page = pages_ref[s_i, h_i, index]
+            return page if early is None else jnp.where(index == first, early[1], page)
         # Loop steps over parts of ``cap`` slots (whole pages unless cfg.sub_slots).
         cap = fmt.slots
         if fmt.quantized and 0 < cfg.sub_slots < fmt.slots:
@@ -427,9 +461,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
 
         def body(j, carry):
             if n_sub == 1:
-                page, at = in_pool(pages_ref[s_i, h_i, j]), 0
+                page, at = in_pool(page_id(j)), 0
             else:
-                page, at = in_pool(pages_ref[s_i, h_i, j // n_sub]), (j % n_sub) * cap
+                page, at = in_pool(page_id(j // n_sub)), (j % n_sub) * cap
             valid = j * cap + col_iota < n_tok
             if fmt.quantized:
                 s = logits(key_dot(page, at), km_ref[page, pl.ds(at, cap)])
@@ -449,7 +483,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         def lane_body(j, carry):
             """One step over ``n_lanes`` pages: lane r takes page first + j * n_lanes + r."""
             base = first + j * n_lanes
-            lane_page = [in_pool(pages_ref[s_i, h_i, jnp.minimum(base + r, last - 1)])
+            lane_page = [in_pool(page_id(jnp.minimum(base + r, last - 1)))
                          for r in range(n_lanes)]
             lane_col = per_row(lane_of_row)
             tok = per_row(base + lane_of_row) * cap + per_slot(col_iota)  # tier token index
@@ -491,9 +525,10 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
              jnp.full((Gp,), NEG_INF, jnp.float32), jnp.zeros((Gp,), jnp.float32),
              jnp.zeros(r_shape, jnp.float32), jnp.zeros((Gp,), jnp.float32))
     offset = jnp.int32(0)
+    early = early_loads() if cfg.early_row_loads else [None] * len(tiers)
     for t, fmt in enumerate(tiers):
         carry, offset = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
-                                  s_refs[t] if s_refs else None, carry, offset)
+                                  s_refs[t] if s_refs else None, carry, offset, early[t])
     accs, m, l, r, z = carry
     # Every tier's values carry the same offset terms: o = acc - 1024 R + Z (every
     # column of the R tile holds the same row sums).

@@ -46,7 +46,9 @@ setting besides the engine's own launch: ``w`` the tiers' work units per page
 walk (``LaunchConfig.lane_slots``), ``n`` the launch's work items, ``wave`` the
 items planned to run at once (``plan_work(wave=)``, 0: off), ``st`` / ``nw`` its
 pipeline stages and warps, ``lg`` the bits of the stored logits
-(``LaunchConfig.logits_dtype``, 16 or 32), ``m`` the merge (as ``--merge``); labelled
+(``LaunchConfig.logits_dtype``, 16 or 32), ``m`` the merge (as ``--merge``), ``el=1``
+the rows' token counts and first table entries loaded before the first loop
+(``LaunchConfig.early_row_loads``); labelled
 ``<variant>/tokens[setting]``.
 
     python scripts/bench_attention.py                     # the full grid
@@ -86,7 +88,8 @@ def main() -> int:
                         "each a ','-list of w=HI-LO (tier weights), ls=N (lane slots), "
                         "n=N (work items), wave=N (items run at once, 0: off), st=N (pipeline "
                         "stages), nw=N (warps), lg=16|32 (logits' bits), "
-                        "m=rows|segments|last (the merge)")
+                        "m=rows|segments|last (the merge), el=0|1 (the row's loads before "
+                        "the first loop: LaunchConfig.early_row_loads)")
     p.add_argument("--no-kernel-time", action="store_true",
                    help="with --chain, skip the profiler trace that times the attention "
                         "kernels alone")
@@ -144,9 +147,11 @@ def main() -> int:
                 out["logits_dtype"] = f"float{val}"
             elif k == "m" and val in ("rows", "segments", "last"):
                 out["merge"] = val
+            elif k == "el" and val in ("0", "1"):
+                out["early_row_loads"] = val == "1"
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
-                                 "lg=16|32, m=rows|segments|last)")
+                                 "lg=16|32, m=rows|segments|last, el=0|1)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -180,7 +185,8 @@ def main() -> int:
         cfg = _launch(emit_logits=mix.startswith("diffkv"), head_dim=lane_dim,
                       transposed=transposed, weights=weights)
         cfg = dataclasses.replace(cfg, **{k: tune[k] for k in ("lane_slots", "num_stages",
-                                                                "num_warps", "logits_dtype")
+                                                                "num_warps", "logits_dtype",
+                                                                "early_row_loads")
                                           if k in tune})
         tile_rows = pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)

@@ -10,6 +10,7 @@
 #   bash scripts/h200_figures.sh attention    # the decode-attention grid
 #   bash scripts/h200_figures.sh merged       # the launch that merges its own rows, against merge_rows
 #   bash scripts/h200_figures.sh merged-step  # DiffKV's decode step with it (merge_impl=launch)
+#   bash scripts/h200_figures.sh early        # the rows' loads before the first loop (early_row_loads)
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
 #   bash scripts/h200_figures.sh policy       # the policy launch: its floor, the lane victim search
@@ -72,6 +73,17 @@ case "${1:-}" in
         --context 4096 --iters 5 --only-step --profile 3 --diffkv-options "merge_impl=$M" \
         --json "$OUT/step_merge_$M.json"
     done ;;
+  early)
+    # the fixed cost of a work item: its token counts and first table entries loaded
+    # before the first tier's loop, with the launch's two merges
+    python -m pytest -q -m gpu tests/test_early_row_loads.py
+    V=jax-bf16,diffkv-high,diffkv-50/50,diffkv-mix
+    python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096,16384 \
+      --variants "$V" --kernel-tiles tokens --chain 32 --tune "el=1;m=last;m=last,el=1" \
+      --json "$OUT/bench_attention_early_b32.json"
+    python scripts/bench_attention.py --models llama3-8b --batches 128 --contexts 4096 \
+      --variants "$V" --kernel-tiles tokens --chain 32 --tune "el=1;m=last;m=last,el=1" \
+      --json "$OUT/bench_attention_early_b128.json" ;;
   ragged)
     python scripts/bench_ragged_attention.py --json "$OUT/bench_ragged_attention.json" ;;
   policy)
@@ -86,6 +98,6 @@ case "${1:-}" in
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac

@@ -10,6 +10,8 @@ instructions of each tier's page loop per token, keeping TTGIR / PTX / cubin:
     python scripts/kernel_resources.py --policy      # the policy launch's loops instead
     python scripts/kernel_resources.py --tiers 8-4-32+4-2-64 --warps 1 --lanes 2 \
         --transposed 1 --merged 0,1                  # the launch that merges its rows too
+    python scripts/kernel_resources.py --tiers 8-4-32+4-2-64 --warps 1 --lanes 2 \
+        --transposed 1 --early 0,1                   # LaunchConfig.early_row_loads
 
 The ``triton`` package's compiler is close to, not the same as, the one inside
 XLA, so treat the numbers as a guide. Occupancy follows from 65,536 registers
@@ -150,6 +152,9 @@ def main() -> int:
     p.add_argument("--merged", default="0",
                    help="0: the launch of partials; 1: the launch that merges its rows "
                         "(paged_decode_merged: the last item of a row folds its items)")
+    p.add_argument("--early", default="0",
+                   help="LaunchConfig.early_row_loads values (1: every tier's token count "
+                        "and first table entry loaded before the first loop)")
     p.add_argument("--padded-q", action="store_true",
                    help="q padded to 16 rows in memory (the launches before padded_rows)")
     p.add_argument("--policy", action="store_true",
@@ -179,12 +184,13 @@ def main() -> int:
     D, G = args.head_dim, args.group
     print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
           f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
-    for spec, warps, stages, sub, lanes, trans, merged in itertools.product(
+    for spec, warps, stages, sub, lanes, trans, merged, early in itertools.product(
             args.tiers.split(","), [int(x) for x in args.warps.split(",")],
             [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")],
             [int(x) for x in args.lanes.split(",")],
             [bool(int(x)) for x in args.transposed.split(",")],
-            [bool(int(x)) for x in args.merged.split(",")]):
+            [bool(int(x)) for x in args.merged.split(",")],
+            [bool(int(x)) for x in args.early.split(",")]):
         tiers, caps = [], []
         for part in spec.split("+"):
             kb, vb, cap = (int(x) for x in part.split("-"))
@@ -201,7 +207,7 @@ def main() -> int:
         if (lanes > 1 or trans) and (sub or "16-16" in spec):
             continue
         cfg = pdk.LaunchConfig(num_warps=warps, num_stages=stages, sub_slots=sub,
-                               page_lanes=lanes, transposed=trans)
+                               page_lanes=lanes, transposed=trans, early_row_loads=early)
         rows = pdk.tile_rows(G, trans)
         n_lanes = cfg.lanes(rows, G)
         if n_lanes > 1:  # tiers of pages up to lane_slots walk a page per lane per step
@@ -220,12 +226,12 @@ def main() -> int:
                 q, tiers, group=G, cfg=cfg, interpret=False, padded_rows=padded_rows))
         name = (f"{spec.replace('+', '_')}_w{warps}_st{stages}" + (f"_sub{sub}" if sub else "")
                 + (f"_lanes{n_lanes}" if n_lanes > 1 else "") + ("_tr" if trans else "")
-                + ("_merged" if merged else ""))
+                + ("_merged" if merged else "") + ("_early" if early else ""))
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
             fh.write(strip_locations(triton_ir(fn, q)))
         label = (spec + (f" /{sub}" if sub else "") + (f" x{n_lanes}" if n_lanes > 1 else "")
-                 + (" T" if trans else "") + (" M" if merged else ""))
+                 + (" T" if trans else "") + (" M" if merged else "") + (" E" if early else ""))
         line = f"{label:24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")

@@ -1,0 +1,128 @@
+"""``LaunchConfig.early_row_loads``: every tier's token count and the table entry of
+each tier's first page loaded as soon as the work item is known.
+
+The launch must give bit-identical results with and without it (interpret mode,
+random pages and ragged rows, every loop form: whole pages, parts of pages, page
+lanes, token tiles, weighted work units, the merged launch), and its CUDA lowering
+must issue those loads before the first tier's loop (checked on the CPU).
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_decode as pdk
+
+from tests.test_paged_decode_kernel import TIER_SETS, lowering_tiers, make_tier
+
+
+def launch_case(tier_set, D, G, seed):
+    rng = np.random.default_rng(seed)
+    S, H, P, NP = 5, 2, 40, 5
+    tiers = [make_tier(rng, pdk.TierFormat(kb, vb, D, cap), P, S, H, NP)[0]
+             for kb, vb, cap in TIER_SETS[tier_set]]
+    q = jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32)
+    return q, tiers
+
+
+def both_ways(run, cfg):
+    """``run(cfg)``'s outputs without and with the early loads."""
+    a = run(dataclasses.replace(cfg, early_row_loads=False))
+    b = run(dataclasses.replace(cfg, early_row_loads=True))
+    return jax.tree.leaves(a), jax.tree.leaves(b)
+
+
+@pytest.mark.parametrize("tier_set,D,G,pad,kw", [
+    ("k8v4+k4v2", 64, 3, None, {}),
+    ("k8v4+k4v2 wide", 128, 4, None, dict(tier_weights=(1, 2))),
+    ("k8v4+k4v2 wide", 128, 4, 8, dict(transposed=True, page_lanes=2, tier_weights=(1, 2))),
+    ("k8v4+k4v2", 64, 3, None, dict(page_lanes=4, lane_slots=64)),
+    ("k8v4+k4v2 wide", 128, 4, None, dict(sub_slots=16)),
+    ("k2v2", 64, 8, None, {}),
+    ("16bit", 64, 3, None, {}),
+])
+@pytest.mark.parametrize("work_items", [None, 11, 16, 64])
+def test_early_loads_give_identical_partials(tier_set, D, G, pad, kw, work_items):
+    q, tiers = launch_case(tier_set, D, G, seed=work_items or 0)
+    cfg = pdk.LaunchConfig(num_splits=3, dot_dtype="float32", logits_dtype="float32", **kw)
+    qk = q if pad is None else pdk.pad_group(q, pad)
+    work = None
+    if work_items is not None:
+        active = jnp.asarray([True, False, True, True, False])
+        work = pdk.plan_work(pdk.row_pages(tiers, active, cfg.tier_weights), work_items)
+
+    def run(c):
+        return pdk.paged_decode_partials(qk, tiers, group=G, cfg=c, work=work, interpret=True)
+
+    plain, early = both_ways(run, cfg)
+    assert np.isfinite(np.asarray(plain[0])).all()
+    for x, y in zip(plain, early):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_early_loads_in_the_merged_launch():
+    q, tiers = launch_case("k8v4+k4v2 wide", 128, 4, seed=3)
+    S, H = q.shape[:2]
+    cfg = pdk.LaunchConfig(dot_dtype="float32", logits_dtype="float32", tier_weights=(1, 2))
+    work = pdk.plan_work(pdk.row_pages(tiers, weights=(1, 2)), 24)
+
+    def run(c):
+        return pdk.paged_decode_merged(q, tiers, work=work, group=4, cfg=c, interpret=True,
+                                       counters=pdk.merge_counters(S, H))
+
+    plain, early = both_ways(run, cfg)
+    for x, y in zip(plain, early):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def loads_before_first_loop(cfg, tiers, D, G, padded_rows):
+    from scripts.kernel_resources import strip_locations, triton_ir
+
+    work = pdk.plan_work(jnp.ones((1, 1), jnp.int32), 4)
+    fn = jax.jit(lambda q: pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg, work=work,
+                                                     padded_rows=padded_rows,
+                                                     interpret=False))
+    ir = strip_locations(triton_ir(fn, jnp.zeros((1, 1, G, D), jnp.bfloat16)))
+    head = ir[:ir.index("scf.for")]
+    return len(re.findall(r"= tt\.load ", head))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_gpu_lowering_issues_the_row_loads_before_the_first_loop(transposed):
+    # Lowered for CUDA on the CPU. Without the option the first loop is preceded by the
+    # item's four words, the first tier's token count and the query; with it, also the
+    # second tier's count and both tiers' first table entries (+3 loads).
+    D, G = 128, 4
+    tiers = lowering_tiers(D)
+    cfg = pdk.LaunchConfig(transposed=transposed, page_lanes=2 if transposed else 1,
+                           tier_weights=(1, 2))
+    rows = 8 if transposed else None
+    plain = loads_before_first_loop(cfg, tiers, D, G, rows)
+    early = loads_before_first_loop(dataclasses.replace(cfg, early_row_loads=True), tiers,
+                                    D, G, rows)
+    assert early == plain + 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier_set,D,G,pad,kw", [
+    ("k8v4+k4v2 wide", 128, 4, 8, dict(transposed=True, page_lanes=2, tier_weights=(1, 2))),
+    ("k8v4+k4v2", 64, 3, None, {}),
+    ("16bit", 128, 4, None, {}),
+])
+def test_compiled_early_loads_give_identical_partials_on_gpu(tier_set, D, G, pad, kw):
+    q, tiers = launch_case(tier_set, D, G, seed=5)
+    cfg = pdk.LaunchConfig(**kw)
+    work = pdk.plan_work(pdk.row_pages(tiers, weights=cfg.tier_weights), 64)
+
+    def run(c):
+        return pdk.paged_decode_partials(q, tiers, group=G, cfg=c, work=work,
+                                         padded_rows=pad, interpret=False)
+
+    plain, early = both_ways(run, cfg)
+    assert np.isfinite(np.asarray(plain[0])).all()
+    for x, y in zip(plain, early):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
