@@ -91,16 +91,19 @@ def tier_weights(tiers=(HI, LO)) -> tuple:
 
 
 def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
-            weights: tuple = (), logits_dtype: str = "float16") -> pdk.LaunchConfig:
+            weights: tuple = (), logits_dtype: str = "float16",
+            early_row_loads: bool = False) -> pdk.LaunchConfig:
     """The caches' launch settings; ``head_dim`` 0: without page lanes (16-bit pages);
     ``transposed``: the quantized pages' tokens as the dot tiles' rows
     (``LaunchConfig.transposed``; query rows padded by :func:`_tile_rows`);
     ``weights``: work units per page of each tier (:data:`TIER_WEIGHTS`);
-    ``logits_dtype``: the policy's logits as stored."""
+    ``logits_dtype``: the policy's logits as stored; ``early_row_loads``: see
+    :class:`pdk.LaunchConfig`."""
     gpu = backend.on_gpu()
     return pdk.LaunchConfig(dot_dtype="float16" if gpu else "float32", emit_logits=emit_logits,
                             page_lanes=page_lanes(head_dim), transposed=transposed,
-                            tier_weights=tuple(weights), logits_dtype=logits_dtype)
+                            tier_weights=tuple(weights), logits_dtype=logits_dtype,
+                            early_row_loads=early_row_loads)
 
 
 def _grouped_query(q, H: int):
@@ -246,7 +249,8 @@ def _tier_partials(method, state, layer, q, n_hi: int, n_lo: int, work: pdk.Work
         tiers.append(pdk.TierInput(fmt, keys, values, (state.k_meta, state.v_meta), pages[-1],
                                    state.n_tok[:S, layer, :, tier]))
     tokens = method.token_tiles
-    cfg = _launch(True, D, tokens, tier_weights(present), method.logits_dtype)
+    cfg = _launch(True, D, tokens, tier_weights(present), method.logits_dtype,
+                  method.early_row_loads)
     if merged:
         parts = pdk.paged_decode_merged(qg, tiers, work=work, counters=state.merge_counters,
                                         group=G, cfg=cfg, padded_rows=_tile_rows(G, tokens),

@@ -67,12 +67,14 @@ def _diffkv_cache(cfg: ModelConfig, *, max_seqs: int, max_context: int, page_siz
     tiles = options.pop("kernel_tiles", "auto")
     lanes = bool(options.pop("lane_victims", False))
     logits = options.pop("logits_dtype", "float16")
+    early = bool(options.pop("early_row_loads", False))
     policy = DiffKVPolicy(**options)
     return DiffKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                        max_context=max_context, policy=policy,
                        tokens_per_page=page_size or 32, attention_impl=impl,
                        write_impl=writes, decide_impl=decide, merge_impl=merge,
-                       kernel_tiles=tiles, lane_victims=lanes, logits_dtype=logits, **tiers)
+                       kernel_tiles=tiles, lane_victims=lanes, logits_dtype=logits,
+                       early_row_loads=early, **tiers)
 
 
 #: Budget (tokens per (sequence, layer, KV head)) of the eviction baselines when neither
@@ -196,7 +198,8 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     "tokens" where the kernels run compiled on a GPU), ``lane_victims`` (the policy
     launch's victim search reduced once after its walk instead of in every step),
     ``logits_dtype`` ("float16" or "float32": the decode kernel's logits for the
-    policy as stored).
+    policy as stored), ``early_row_loads`` (the decode launch's token counts and first
+    page-table entries loaded before its first loop; the same results).
     ``int8`` / ``k8v4``: the diffkv options except the ones that define them
     (``high``, ``low``, ``low_tier``, ``alpha_low``).
     ``h2o`` / ``streamingllm`` / ``snapkv`` (token eviction, every kept token K8V8):

@@ -11,6 +11,7 @@
 #   bash scripts/h200_figures.sh merged       # the launch that merges its own rows, against merge_rows
 #   bash scripts/h200_figures.sh merged-step  # DiffKV's decode step with it (merge_impl=launch)
 #   bash scripts/h200_figures.sh early        # the rows' loads before the first loop (early_row_loads)
+#   bash scripts/h200_figures.sh early-step   # DiffKV's decode step with them
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
 #   bash scripts/h200_figures.sh policy       # the policy launch: its floor, the lane victim search
@@ -84,6 +85,12 @@ case "${1:-}" in
     python scripts/bench_attention.py --models llama3-8b --batches 128 --contexts 4096 \
       --variants "$V" --kernel-tiles tokens --chain 32 --tune "el=1;m=last;m=last,el=1" \
       --json "$OUT/bench_attention_early_b128.json" ;;
+  early-step)
+    for E in false true; do
+      python scripts/step_breakdown.py --model llama3-8b --methods diffkv --batch 64 \
+        --context 4096 --iters 5 --only-step --prompt 0 --profile 3 \
+        --diffkv-options "early_row_loads=$E" --json "$OUT/step_early_$E.json"
+    done ;;
   ragged)
     python scripts/bench_ragged_attention.py --json "$OUT/bench_ragged_attention.json" ;;
   policy)
@@ -98,6 +105,6 @@ case "${1:-}" in
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac

@@ -418,3 +418,29 @@ def test_prefill_window_scores_from_cudnn_statistics_serve_the_same_tokens(tiny_
     assert calls["given"] > 0 and calls["withheld"] > 0
     assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
     np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
+                         ids=["here", "gpu"])
+def test_early_row_loads_serve_the_same_tokens_and_scores(tiny_model, compiled,
+                                                         monkeypatch):
+    # early_row_loads changes when the decode launch reads its rows' counts and first
+    # table entries, not what it computes: the same tokens and the same scores.
+    from diffkv_jax import diffkv_kernel_attention as dka
+    from pallas_kernels import paged_decode as pdk
+
+    launched, launch = [], pdk.paged_decode_partials  # each decode launch's setting
+
+    def recording(*args, cfg, **kw):
+        launched.append(cfg.early_row_loads)
+        return launch(*args, cfg=cfg, **kw)
+
+    monkeypatch.setattr(dka.pdk, "paged_decode_partials", recording)
+    cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=12)
+    plain = _kernel_method(cfg, compiled)
+    early = _kernel_method(cfg, compiled, early_row_loads=True)
+    assert early.early_row_loads and not plain.early_row_loads
+    runs = _serve_both(cfg, params, prompts, (plain, early))
+    assert False in launched and True in launched
+    assert runs[0][2]["frac_low"] > 0
+    np.testing.assert_array_equal(runs[1][1], runs[0][1])
