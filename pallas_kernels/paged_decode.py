@@ -344,15 +344,19 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             return grow(None)
         return lax.cond(jnp.max(m_next - m_prev) > RESCALE_SLACK, grow, lambda _: carry, None)
 
+    def page_at(unit, t, offset):
+        """The tier-``t`` page holding work unit ``unit`` of the row (units laid end
+        to end, this tier's from ``offset``; a page belongs to the item holding its
+        first unit), unclipped."""
+        return -((offset - unit) // cfg.weight(t))
+
     def tier_range(t, fmt: TierFormat, n_tok, offset):
-        """The tier's pages in the row, and the item's first and last (exclusive): the
-        units [begin, end) shifted past the earlier tiers; a page belongs to the item
-        holding its first unit."""
+        """The item's first and last (exclusive) page of the tier, and the next
+        tier's offset: the units [begin, end) shifted past the earlier tiers."""
         row_pages = (n_tok + fmt.slots - 1) // fmt.slots
-        wt = cfg.weight(t)
-        first = jnp.clip(-((offset - begin) // wt), 0, row_pages)
-        last = jnp.clip(-((offset - end) // wt), 0, row_pages)
-        return row_pages, first, last
+        first = jnp.clip(page_at(begin, t, offset), 0, row_pages)
+        last = jnp.clip(page_at(end, t, offset), 0, row_pages)
+        return first, last, offset + row_pages * cfg.weight(t)
 
     def early_loads():
         """Per tier: its token count and the table entry of the item's first page
@@ -363,16 +367,15 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         for t, fmt in enumerate(tiers):
             pages_ref, ntok_ref = tier_refs[6 * t + 4], tier_refs[6 * t + 5]
             n_tok = ntok_ref[s_i, h_i]
-            at = jnp.clip(-((offset - begin) // cfg.weight(t)), 0, pages_ref.shape[-1] - 1)
+            at = jnp.clip(page_at(begin, t, offset), 0, pages_ref.shape[-1] - 1)
             loads.append((n_tok, pages_ref[s_i, h_i, at]))
-            offset = offset + tier_range(t, fmt, n_tok, offset)[0] * cfg.weight(t)
+            offset = tier_range(t, fmt, n_tok, offset)[2]
         return loads
 
     def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry, offset, early=None):
         k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
         n_tok = ntok_ref[s_i, h_i] if early is None else early[0]
-        row_pages, first, last = tier_range(t, fmt, n_tok, offset)
-        wt = cfg.weight(t)
+        first, last, next_offset = tier_range(t, fmt, n_tok, offset)
 
         def page_id(index):
             """The table entry ``index`` of the row; the item's first page from the
@@ -516,9 +519,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
 
         if n_lanes > 1 and cap <= cfg.lane_slots:
             steps = (last - first + n_lanes - 1) // n_lanes
-            return lax.fori_loop(0, steps, lane_body, carry), offset + row_pages * wt
-        return (lax.fori_loop(first * n_sub, last * n_sub, body, carry),
-                offset + row_pages * wt)
+            return lax.fori_loop(0, steps, lane_body, carry), next_offset
+        return lax.fori_loop(first * n_sub, last * n_sub, body, carry), next_offset
 
     acc_shape, r_shape = ((w, Gp), (RW, Gp)) if tr else ((Gp, w), (Gp, RW))
     carry = ([jnp.zeros(acc_shape, jnp.float32)] * parts,
