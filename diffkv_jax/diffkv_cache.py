@@ -165,9 +165,10 @@ class DiffKVCache(SlotAccounting):
     # the launch writes; the probabilities it gives are within 0.034% per unit of
     # the log2-unit logit (0.5% at 16) of float32's.
     logits_dtype: str = "float16"
-    # The decode launch loads every tier's token count and each tier's first page-table
-    # entry as soon as its work item is known (LaunchConfig.early_row_loads): the
-    # same results, fewer dependent memory round trips per item; not yet timed.
+    # The decode launch loads every tier's token count and the page-table entries of
+    # each tier's first pages as soon as its work item is known
+    # (LaunchConfig.early_row_loads): the same results, one dependent memory round
+    # trip fewer before an item's first pages; not yet timed.
     early_row_loads: bool = False
 
     name = "diffkv"

@@ -132,7 +132,8 @@ def plan_full_work(lengths, active, page_size: int, H: int) -> pdk.WorkList:
 
 
 def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work: pdk.WorkList,
-                          merge_in_launch: bool = False, counters=None):
+                          merge_in_launch: bool = False, counters=None,
+                          early_row_loads: bool = False):
     """:func:`diffkv_jax.attention.paged_decode_attention` through the kernel.
 
     ``q [S, nq, D]``; ``k_pages, v_pages [P, page_size, D]``; ``page_ids [S, H, n]``;
@@ -145,20 +146,22 @@ def full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work: pdk.Work
     ``counters`` (``[S * H]`` int32 zeros): the attention launch merges its own rows
     instead (:func:`pdk.paged_decode_merged`, output in ``q``'s dtype), and
     ``(out, counters)`` is returned, the counters zero again for the next launch.
+    ``early_row_loads``: :attr:`pdk.LaunchConfig.early_row_loads` (the same results).
     """
     S, nq, D = q.shape
     H = page_ids.shape[1]
     G = nq // H
+    cfg = _launch(False, early_row_loads=early_row_loads)
     fmt = pdk.TierFormat(16, 16, D, k_pages.shape[1])
     ntok = jnp.broadcast_to(lengths[:, None], (S, H)).astype(jnp.int32)
     tier = pdk.TierInput(fmt, k_pages, v_pages, None, page_ids, ntok)
     if counters is not None:
         out, _, _, _, counters = pdk.paged_decode_merged(
             _grouped_query(q, H), [tier], work=work, counters=counters, group=G,
-            cfg=_launch(False), out_dtype=q.dtype, padded_rows=_tile_rows(G))
+            cfg=cfg, out_dtype=q.dtype, padded_rows=_tile_rows(G))
         return out.reshape(S, nq, D), counters
     o, m, l, _ = pdk.paged_decode_partials(_grouped_query(q, H), [tier], group=G,
-                                           cfg=_launch(False), work=work,
+                                           cfg=cfg, work=work,
                                            padded_rows=_tile_rows(G))
     if merge_in_launch:
         from pallas_kernels.row_merge import merge_rows

@@ -40,11 +40,13 @@ def _build_full(cfg: ModelConfig, *, max_seqs: int, max_context: int, dtype: Any
                 page_size: int | None, **options) -> FullCache:
     impl = options.pop("attention_impl", "reference")
     merge = options.pop("merge_impl", "auto")
+    early = bool(options.pop("early_row_loads", False))
     if options:
         raise ValueError(f"options {sorted(options)} do not apply to the full cache")
     return FullCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_seqs=max_seqs,
                      max_context=max_context, page_size=page_size or 16,
-                     dtype=jnp.dtype(dtype).name, attention_impl=impl, merge_impl=merge)
+                     dtype=jnp.dtype(dtype).name, attention_impl=impl, merge_impl=merge,
+                     early_row_loads=early)
 
 
 def _build_diffkv(cfg: ModelConfig, *, max_seqs: int, max_context: int, dtype: Any,
@@ -180,7 +182,8 @@ def make_method(name: str, cfg: ModelConfig, *, max_seqs: int, max_context: int,
     ``full`` options: ``page_size`` (tokens per page, default 16), ``attention_impl``,
     ``merge_impl`` ("auto", "xla", "pallas" or "launch": the kernel path's work items
     merged by XLA segment reductions, by one launch, or inside the attention launch
-    itself; "auto" is "pallas" where the kernels run compiled on a GPU).
+    itself; "auto" is "pallas" where the kernels run compiled on a GPU),
+    ``early_row_loads`` (as diffkv's).
     ``diffkv`` options: ``page_size`` (high-tier tokens per page, default 32),
     ``alpha_high``, ``alpha_low``, ``window``, ``obs_window``, ``low_tier``,
     ``normalizer``, ``high_frac`` / ``low_frac`` (a fixed tier mix; see

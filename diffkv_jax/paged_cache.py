@@ -122,6 +122,10 @@ class FullCache(SlotPages):
         counters in the state; timed on the H200 only over quantized
         tiers, 1 µs faster per launch at 32 x 4K), or "auto": "pallas" where
         the kernels run compiled on a GPU, "xla" otherwise.
+      early_row_loads: the attention launch loads each row's token count and first
+        page-table entry as soon as its work item is known
+        (:attr:`pallas_kernels.paged_decode.LaunchConfig.early_row_loads`); the same
+        results. The kernel path only.
     """
 
     num_layers: int
@@ -133,6 +137,7 @@ class FullCache(SlotPages):
     dtype: str = "float32"
     attention_impl: str = "reference"
     merge_impl: str = "auto"
+    early_row_loads: bool = False
 
     name = "full"
     swap_pool_fields = ("k_pages", "v_pages")
@@ -322,7 +327,8 @@ class FullCache(SlotPages):
 
             out, counters = full_decode_attention(q[:, 0], state.k_pages, state.v_pages, ids,
                                                   pos + 1, batch.work,
-                                                  counters=state.merge_counters)
+                                                  counters=state.merge_counters,
+                                                  early_row_loads=self.early_row_loads)
             return state.replace(merge_counters=counters), out[:, None]
         out = self._paged_attention(layer, q[:, 0], state.k_pages, state.v_pages, ids,
                                     pos + 1, batch.work)
@@ -346,7 +352,8 @@ class FullCache(SlotPages):
             from diffkv_jax.diffkv_kernel_attention import full_decode_attention
 
             return full_decode_attention(q, k_pages, v_pages, page_ids, lengths, work,
-                                         merge_in_launch=self.merges_in_launch)
+                                         merge_in_launch=self.merges_in_launch,
+                                         early_row_loads=self.early_row_loads)
         return attn_ref.paged_decode_attention(q, k_pages, v_pages, page_ids, lengths)
 
     def end_decode(self, state: PagedKVState, batch: DecodeBatch) -> PagedKVState:

@@ -172,3 +172,22 @@ def wide_offsets() -> bool:
     except Exception:  # noqa: BLE001 - any failure: the narrow offsets, refused pools
         return False
     return "i64" in text.getvalue()
+
+
+#: The special registers a program trace reads (PTX): the global nanosecond timer's
+#: low 32 bits (comparable across multiprocessors), the multiprocessor's cycle
+#: counter (finer, but its own per multiprocessor) and the multiprocessor's index.
+CLOCK_REGISTERS = {"ns": "%globaltimer_lo", "cycles": "%clock", "sm": "%smid"}
+
+
+def read_clock(dep, which: str):
+    """One of :data:`CLOCK_REGISTERS` inside a compiled kernel, as an int32 ``[1]``
+    (the 32-bit registers wrap: compare readings by their difference modulo 2^32).
+
+    ``dep`` (an int32 scalar) orders the read: the inline assembly is pure, so it
+    runs after ``dep`` is known and two reads with different ``dep`` stay apart.
+    """
+    dep = jnp.broadcast_to(jnp.asarray(dep, jnp.int32), (1,))
+    return _triton.elementwise_inline_asm(
+        f"mov.u32 $0, {CLOCK_REGISTERS[which]};", args=[dep], constraints="=r,r", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])[0]

@@ -182,13 +182,21 @@ class LaunchConfig:
     # about equal cost when a tier's page costs more than another's (K4V2's
     # 64-slot pages take about twice a K8V4 page's time).
     tier_weights: tuple = ()
-    # Load every tier's token count, and the page-table entry of each tier's first
-    # page, as soon as the work item is known, instead of at the start of each
-    # tier's loop. A loop's first page waits for its table entry, which waits for
-    # the token count: two dependent memory round trips per tier and item, a cost
-    # that does not shrink with the item. Early, they overlap the first loads and
-    # the first tier's loop. The results are the same.
+    # Load every tier's token count, and the page-table entries of each tier's
+    # first pages (those its loop reads before the pipeline is full: num_stages - 1
+    # steps, times the page lanes), as soon as the work item is known. Without it
+    # a loop's first pages wait for their table entries, which wait for the token
+    # count (it sets the item's first page): two dependent memory round trips per
+    # tier and item, a cost that does not shrink with the item. With it the
+    # entries are read from the item's range alone, and the loop does not read
+    # them again (masked loads), so its first pages wait for one round trip after
+    # the item's. The results are the same.
     early_row_loads: bool = False
+    # Record when each program starts, starts and ends its loops, and ends, and on
+    # which multiprocessor: the launch then has one more output, TRACE_COLUMNS per
+    # work item, read from the GPU's clocks (compiled launches only; launch with
+    # program_trace, which returns it).
+    trace_programs: bool = False
 
     def __post_init__(self):
         if self.dot_dtype not in ("float16", "float32"):
@@ -253,6 +261,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
     merge_refs = (refs[:2] + refs[5:9]) if merge_items else None
     o_ref, m_ref, l_ref = refs[2:5] if merge_items else refs[:3]
     s_refs = refs[9:] if merge_items else refs[3:]
+    trace_ref = None
+    if cfg.trace_programs:
+        s_refs, trace_ref = s_refs[:-1], s_refs[-1]
     Gp, D = m_ref.shape[-1], q_ref.shape[-1]
     # The output is kept in one accumulator per slice of the most packed value codes.
     parts = max(8 // f.v_bits if f.quantized else 1 for f in tiers)
@@ -260,6 +271,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
     # This program's work item: row (s, h) over pages [begin, end) of the row's
     # tiers laid end to end (high pages, then low pages).
     item = pl.program_id(0)
+    if trace_ref is not None:  # before the item's first load
+        _stamp(trace_ref, item, item, ("start_ns", "start_cycles", "sm"))
     s_i, h_i = items_ref[item, 0], items_ref[item, 1]
     begin, end = items_ref[item, 2], items_ref[item, 3]
     magic = cfg.dot_dtype == "float16"
@@ -358,36 +371,66 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         last = jnp.clip(page_at(end, t, offset), 0, row_pages)
         return first, last, offset + row_pages * cfg.weight(t)
 
+    def tier_steps(fmt: TierFormat):
+        """How a tier's loop walks its pages: ``(cap, n_sub, laned)``, steps over
+        ``cap`` slots (whole pages unless cfg.sub_slots), ``n_sub`` steps per page,
+        and whether a step takes one page per lane."""
+        cap = fmt.slots
+        if fmt.quantized and 0 < cfg.sub_slots < fmt.slots:
+            cap = cfg.sub_slots
+        return cap, fmt.slots // cap, n_lanes > 1 and cap <= cfg.lane_slots
+
+    def early_entries(fmt: TierFormat) -> int:
+        """Table entries the tier's first loop steps read before the loop's pipeline is
+        full (``num_stages - 1`` steps ahead): the ones :func:`early_loads` reads."""
+        cap, n_sub, laned = tier_steps(fmt)
+        ahead = max(cfg.num_stages - 1, 1)
+        return min(n_lanes * ahead if laned else -(-ahead // n_sub), 8)
+
     def early_loads():
-        """Per tier: its token count and the table entry of the item's first page
-        (cfg.early_row_loads). The first tier's entry is read at the item's start
-        clipped to the table only, so it needs no token count and its load
-        overlaps that of the counts."""
+        """Per tier: its token count and the table entries of the item's first pages
+        (cfg.early_row_loads), at the item's start. The entries are read from the
+        item's range alone, clipped to the table, so the first tier's need no token
+        count: their loads overlap that of the counts."""
         loads, offset = [], jnp.int32(0)
         for t, fmt in enumerate(tiers):
             pages_ref, ntok_ref = tier_refs[6 * t + 4], tier_refs[6 * t + 5]
             n_tok = ntok_ref[s_i, h_i]
-            at = jnp.clip(page_at(begin, t, offset), 0, pages_ref.shape[-1] - 1)
-            loads.append((n_tok, pages_ref[s_i, h_i, at]))
+            # The loop's first page where it runs (its range is inside the row).
+            base = jnp.maximum(page_at(begin, t, offset), 0)
+            top = pages_ref.shape[-1] - 1
+            loads.append((n_tok, tuple(pages_ref[s_i, h_i, jnp.minimum(base + r, top)]
+                                       for r in range(early_entries(fmt)))))
             offset = tier_range(t, fmt, n_tok, offset)[2]
         return loads
 
-    def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry, offset, early=None):
+    def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry, offset, early=None,
+                  at_loop=None):
         k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
         n_tok = ntok_ref[s_i, h_i] if early is None else early[0]
         first, last, next_offset = tier_range(t, fmt, n_tok, offset)
 
         def page_id(index):
-            """The table entry ``index`` of the row; the item's first page from the
-            early load (the same entry: a loop step's index is below the row's pages,
-            so the first is unclipped)."""
-            page = pages_ref[s_i, h_i, index]
-            return page if early is None else jnp.where(index == first, early[1], page)
-        # Loop steps over parts of ``cap`` slots (whole pages unless cfg.sub_slots).
-        cap = fmt.slots
-        if fmt.quantized and 0 < cfg.sub_slots < fmt.slots:
-            cap = cfg.sub_slots
-        n_sub = fmt.slots // cap
+            """The table entry ``index`` of the row. Entries ``first + r`` come from the
+            early loads (the same entries: a loop step's index is below the row's
+            pages, so ``first`` is unclipped), and on the GPU the table is not read
+            for them at all (a masked load): the step's page address then waits for
+            no second round trip."""
+            if early is None:
+                return pages_ref[s_i, h_i, index]
+            entries = early[1]
+            ahead = (index >= first) & (index < first + len(entries))
+            if interpret:  # the masked load's value: 0 where it reads nothing
+                page = jnp.where(ahead, 0, pages_ref[s_i, h_i, index])
+            else:
+                from jax.experimental.pallas import triton as plgpu
+
+                page = plgpu.load(pages_ref.at[s_i, h_i, index], mask=~ahead,
+                                  other=jnp.zeros((), pages_ref.dtype))
+            for r, entry in enumerate(entries):
+                page = jnp.where(index == first + r, entry, page)
+            return page
+        cap, n_sub, laned = tier_steps(fmt)
         col_iota = lax.broadcasted_iota(jnp.int32, (cap,), 0)
 
         if fmt.quantized:
@@ -517,7 +560,10 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                                   lane_page[r], 0)
             return accs, m, l, r_acc, z
 
-        if n_lanes > 1 and cap <= cfg.lane_slots:
+        if at_loop is not None:  # the loop's operands (its range, the query) are known
+            qv = q_sum if fmt.quantized else q_full.astype(jnp.float32)
+            at_loop(first + last + lax.bitcast_convert_type(jnp.max(qv), jnp.int32))
+        if laned:
             steps = (last - first + n_lanes - 1) // n_lanes
             return lax.fori_loop(0, steps, lane_body, carry), next_offset
         return lax.fori_loop(first * n_sub, last * n_sub, body, carry), next_offset
@@ -528,10 +574,18 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
              jnp.zeros(r_shape, jnp.float32), jnp.zeros((Gp,), jnp.float32))
     offset = jnp.int32(0)
     early = early_loads() if cfg.early_row_loads else [None] * len(tiers)
+    def stamp(*columns):
+        if trace_ref is None:
+            return None
+        return lambda dep: _stamp(trace_ref, item, dep, columns)
+
     for t, fmt in enumerate(tiers):
         carry, offset = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
-                                  s_refs[t] if s_refs else None, carry, offset, early[t])
+                                  s_refs[t] if s_refs else None, carry, offset, early[t],
+                                  stamp("loop_ns", "loop_cycles") if t == 0 else None)
     accs, m, l, r, z = carry
+    if trace_ref is not None:  # after the last tier's loop
+        stamp("loop_end_ns", "loop_end_cycles")(lax.bitcast_convert_type(jnp.max(l), jnp.int32))
     # Every tier's values carry the same offset terms: o = acc - 1024 R + Z (every
     # column of the R tile holds the same row sums).
     corr_o = z - MAGIC * jnp.max(r, axis=0 if tr else 1) if magic else z
@@ -544,11 +598,33 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         _store_and_merge(merge_refs, (o_ref, m_ref, l_ref), outs, m * LN2, l, item,
                          (s_i, h_i, begin < end), group=group, width=w,
                          items_per_step=merge_items, normalize=normalize, interpret=interpret)
-        return
-    for i, o in enumerate(outs):
-        _store_real_rows(o_ref, (), o, i * w)
-    m_ref[...] = m * LN2  # natural units outside the kernel
-    l_ref[...] = l
+    else:
+        for i, o in enumerate(outs):
+            _store_real_rows(o_ref, (), o, i * w)
+        m_ref[...] = m * LN2  # natural units outside the kernel
+        l_ref[...] = l
+    if trace_ref is not None:  # after the stores (and the row's merge)
+        stamp("end_ns", "end_cycles")(lax.bitcast_convert_type(jnp.max(outs[-1]), jnp.int32))
+
+
+#: The points of a program a trace marks: its start (before its first load), the
+#: start of its first tier's loop (the item's row, range and query known), the end
+#: of its last tier's loop, and its end (after its stores and its row's merge).
+TRACE_POINTS = ("start", "loop", "loop_end", "end")
+#: The columns of a program trace (:attr:`LaunchConfig.trace_programs`), int32: at
+#: each of :data:`TRACE_POINTS` the global timer (ns, comparable across
+#: multiprocessors) and the multiprocessor's cycle counter (finer), both their low
+#: 32 bits (compare by differences modulo 2^32), then the multiprocessor that ran it.
+TRACE_COLUMNS = (tuple(f"{p}_ns" for p in TRACE_POINTS)
+                 + tuple(f"{p}_cycles" for p in TRACE_POINTS) + ("sm",))
+
+
+def _stamp(trace_ref, item, dep, columns):
+    """The clocks named by ``columns`` (:data:`TRACE_COLUMNS`) into row ``item``,
+    read after ``dep`` (an int32 scalar) is known."""
+    for name in columns:
+        which = "sm" if name == "sm" else name.rsplit("_", 1)[1]
+        trace_ref[item, pl.ds(TRACE_COLUMNS.index(name), 1)] = backend.read_clock(dep, which)
 
 
 def _store_and_merge(merge_refs, partial_refs, outs, m, l, item, row_item, *, group: int,
@@ -817,24 +893,29 @@ def paged_decode_partials(q, tiers: Sequence[TierInput], *, group: int | None = 
       mode, ``o``) keep their ``Gp`` rows, for a consumer that reads the real rows
       itself (no slicing kernels).
     """
-    interpret, G, Gp = _check_launch(q, tiers, padded_rows, group, interpret)
+    interpret, G, Gp = _check_launch(q, tiers, padded_rows, group, interpret, cfg)
     S, H, _, D = q.shape
     listed = work is not None
     if not listed:
         work = even_work(tiers, cfg.num_splits, cfg.tier_weights)
     outs = _decode_call(q, tiers, G, Gp, cfg, work, interpret)
     o, m, l = outs[:3] if padded_stats else (outs[0][:, :G], outs[1][:, :G], outs[2][:, :G])
-    logits = [x[:, :, :G] for x in outs[3:]] if cfg.emit_logits else [None] * len(tiers)
+    logits = ([x[:, :, :G] for x in outs[3:3 + len(tiers)]] if cfg.emit_logits
+              else [None] * len(tiers))
     if not listed:
         K = cfg.num_splits
         o, m, l = o.reshape(S, H, K, G, D), m.reshape(S, H, K, G), l.reshape(S, H, K, G)
     return o, m, l, logits
 
 
-def _check_launch(q, tiers, padded_rows, group, interpret):
-    """``(interpret, G, Gp)`` of a decode launch, after checking its inputs."""
+def _check_launch(q, tiers, padded_rows, group, interpret, cfg=None):
+    """``(interpret, G, Gp)`` of a decode launch, after checking its inputs (and that
+    ``cfg``, where given, asks for no trace: :func:`program_trace` returns it)."""
     if interpret is None:
         interpret = backend.default_interpret()
+    if cfg is not None and cfg.trace_programs:
+        raise ValueError("LaunchConfig.trace_programs: launch with program_trace(), which "
+                         "returns the trace")
     S, H, Gq, D = q.shape
     Gp = Gq if padded_rows is None else padded_rows
     if Gp < Gq:
@@ -866,7 +947,7 @@ def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
     """The decode launch's outputs: per item ``o, m, l`` (``Gp`` rows, or ``G`` for
     ``o`` on the GPU), then with ``merge = (counters, out_dtype, items_per_step,
     normalize)`` the merged ``out, M, L`` (the same rows) and the counters, then the
-    logits."""
+    logits, then with ``cfg.trace_programs`` the trace (:data:`TRACE_COLUMNS`)."""
     S, H, _, D = q.shape
     N = work.size
     whole = lambda a: pl.BlockSpec(a.shape, lambda w: (0,) * a.ndim)  # noqa: E731
@@ -899,6 +980,12 @@ def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
             shape = (S, H, rows, t.pages.shape[-1] * t.fmt.slots)
             out_shape.append(jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.logits_dtype)))
             out_specs.append(pl.BlockSpec(shape, lambda w: (0, 0, 0, 0)))
+    if cfg.trace_programs:
+        if interpret:
+            raise ValueError("trace_programs reads the GPU's clocks: it needs a compiled "
+                             "launch (interpret=False)")
+        out_shape.append(jax.ShapeDtypeStruct((N, len(TRACE_COLUMNS)), jnp.int32))
+        out_specs.append(whole(out_shape[-1]))
     kernel = functools.partial(_kernel, tiers=tuple(t.fmt for t in tiers), cfg=cfg,
                                group=G, interpret=interpret,
                                merge_items=0 if merge is None else merge[2],
@@ -959,7 +1046,7 @@ def paged_decode_merged(q, tiers: Sequence[TierInput], *, work: WorkList,
         raise ValueError("paged_decode_merged needs the work list's ranges (plan_work's)")
     if items_per_step < 1 or items_per_step & (items_per_step - 1):
         raise ValueError(f"items_per_step must be a power of two, got {items_per_step}")
-    interpret, G, Gp = _check_launch(q, tiers, padded_rows, group, interpret)
+    interpret, G, Gp = _check_launch(q, tiers, padded_rows, group, interpret, cfg)
     S, H = q.shape[:2]
     if counters is None:
         counters = merge_counters(S, H)
@@ -975,8 +1062,35 @@ def paged_decode_merged(q, tiers: Sequence[TierInput], *, work: WorkList,
         has = (work.ranges[:, 1] > 0).reshape(S, H, 1)
         out = jnp.where(has[..., None], out, jnp.zeros((), out.dtype))
         M, L = jnp.where(has, M, NEG_INF), jnp.where(has, L, 0.0)
-    logits = [x[:, :, :G] for x in outs[7:]] if cfg.emit_logits else [None] * len(tiers)
+    logits = ([x[:, :, :G] for x in outs[7:7 + len(tiers)]] if cfg.emit_logits
+              else [None] * len(tiers))
     return out, M, L, logits, outs[6]
+
+
+def program_trace(q, tiers: Sequence[TierInput], *, work: WorkList, group: int | None = None,
+                  cfg: LaunchConfig = LaunchConfig(), padded_rows: int | None = None,
+                  merged: bool = False, items_per_step: int = 4) -> jax.Array:
+    """When each program of one compiled decode launch started and ended, and where.
+
+    The launch of :func:`paged_decode_partials` over ``work`` (or, ``merged``, of
+    :func:`paged_decode_merged`, with zeroed counters) with
+    :attr:`LaunchConfig.trace_programs`: every program reads the GPU's clocks
+    before its first load, at the start of its first loop and the end of its
+    last, and after its last store (and its row's merge).
+    Returns ``[N, len(TRACE_COLUMNS)]`` int32, one row per work item
+    (:data:`TRACE_COLUMNS`: the clocks at each of :data:`TRACE_POINTS`). The
+    clocks cost a few instructions per program; the outputs are the untraced
+    launch's.
+    """
+    interpret, G, Gp = _check_launch(q, tiers, padded_rows, group, False)
+    merge = None
+    if merged:
+        if work.ranges is None:
+            raise ValueError("a merged launch needs the work list's ranges (plan_work's)")
+        S, H = q.shape[:2]
+        merge = (merge_counters(S, H), jnp.float32, items_per_step, True)
+    cfg = dataclasses.replace(cfg, trace_programs=True)
+    return _decode_call(q, tiers, G, Gp, cfg, work, interpret, merge)[-1]
 
 
 def merge_work(o, m, l, work: WorkList, S: int, H: int, extra=None):

@@ -154,7 +154,7 @@ def main() -> int:
                         "(paged_decode_merged: the last item of a row folds its items)")
     p.add_argument("--early", default="0",
                    help="LaunchConfig.early_row_loads values (1: every tier's token count "
-                        "and first table entry loaded before the first loop)")
+                        "and first table entries loaded before the first loop)")
     p.add_argument("--padded-q", action="store_true",
                    help="q padded to 16 rows in memory (the launches before padded_rows)")
     p.add_argument("--policy", action="store_true",

@@ -444,3 +444,30 @@ def test_early_row_loads_serve_the_same_tokens_and_scores(tiny_model, compiled,
     assert False in launched and True in launched
     assert runs[0][2]["frac_low"] > 0
     np.testing.assert_array_equal(runs[1][1], runs[0][1])
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
+                         ids=["here", "gpu"])
+@pytest.mark.parametrize("merge", ["xla", "launch"])
+def test_full_cache_early_row_loads_serve_the_same_tokens(tiny_model, compiled, merge,
+                                                          monkeypatch):
+    # The uncompressed cache's launches take the setting too (the launch of partials,
+    # and the one that merges its own rows): the same greedy tokens.
+    from diffkv_jax import diffkv_kernel_attention as dka
+    from pallas_kernels import paged_decode as pdk
+
+    launched = []
+    for name in ("paged_decode_partials", "paged_decode_merged"):
+        def recording(*args, cfg, _launch=getattr(pdk, name), **kw):
+            launched.append(cfg.early_row_loads)
+            return _launch(*args, cfg=cfg, **kw)
+
+        monkeypatch.setattr(dka.pdk, name, recording)
+    cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=14)
+    plain = make_method("full", cfg, max_seqs=2, max_context=128, page_size=16,
+                        attention_impl="pallas", merge_impl=merge)
+    early = make_method("full", cfg, max_seqs=2, max_context=128, page_size=16,
+                        attention_impl="pallas", merge_impl=merge, early_row_loads=True)
+    assert early.early_row_loads and not plain.early_row_loads
+    _serve_both(cfg, params, prompts, (plain, early))
+    assert False in launched and True in launched

@@ -79,7 +79,9 @@ def test_early_loads_in_the_merged_launch():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def loads_before_first_loop(cfg, tiers, D, G, padded_rows):
+def lowered_loads(cfg, tiers, D, G, padded_rows):
+    """``(loads before the first loop, masked scalar table loads)`` of the launch
+    lowered for CUDA (on the CPU)."""
     from scripts.kernel_resources import strip_locations, triton_ir
 
     work = pdk.plan_work(jnp.ones((1, 1), jnp.int32), 4)
@@ -88,23 +90,29 @@ def loads_before_first_loop(cfg, tiers, D, G, padded_rows):
                                                      interpret=False))
     ir = strip_locations(triton_ir(fn, jnp.zeros((1, 1, G, D), jnp.bfloat16)))
     head = ir[:ir.index("scf.for")]
-    return len(re.findall(r"= tt\.load ", head))
+    masked = re.findall(r"= tt\.load %\w+, %\w+, %\w+ : !tt\.ptr<i32>", ir)
+    return len(re.findall(r"= tt\.load ", head)), len(masked)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
 def test_gpu_lowering_issues_the_row_loads_before_the_first_loop(transposed):
     # Lowered for CUDA on the CPU. Without the option the first loop is preceded by the
     # item's four words, the first tier's token count and the query; with it, also the
-    # second tier's count and both tiers' first table entries (+3 loads).
+    # second tier's count and the entries of each tier's first pages: the pages of the
+    # num_stages - 1 = 2 steps the pipeline reads ahead, two per step in the page lanes
+    # of the K8V4 tier (transposed, 2 lanes), one per step otherwise. In the loops each
+    # step's table read is masked off for those entries (one per lane and tier).
     D, G = 128, 4
     tiers = lowering_tiers(D)
     cfg = pdk.LaunchConfig(transposed=transposed, page_lanes=2 if transposed else 1,
                            tier_weights=(1, 2))
     rows = 8 if transposed else None
-    plain = loads_before_first_loop(cfg, tiers, D, G, rows)
-    early = loads_before_first_loop(dataclasses.replace(cfg, early_row_loads=True), tiers,
-                                    D, G, rows)
-    assert early == plain + 3
+    plain, plain_masked = lowered_loads(cfg, tiers, D, G, rows)
+    early, masked = lowered_loads(dataclasses.replace(cfg, early_row_loads=True), tiers,
+                                  D, G, rows)
+    entries = (2 * 2 if transposed else 2) + 2
+    assert early == plain + 1 + entries
+    assert plain_masked == 0 and masked == (2 if transposed else 1) + 1
 
 
 @pytest.mark.gpu

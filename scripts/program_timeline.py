@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""Where one decode launch's time goes: when each program starts and ends, on which
+multiprocessor, on one GPU.
+
+Runs the caches' decode launch (the same case, settings and work plan as
+``scripts/bench_attention.py``) with :attr:`LaunchConfig.trace_programs`, for
+each of ``--settings``, ``--repeats`` times after a warm-up, and summarizes
+each trace (:func:`summarize`):
+
+* ``span``: first program start to last program end (the launch's own time,
+  less the gap before its first program);
+* ``last start``: when the last program began (a one-wave launch starts every
+  program at once; later starts are a second wave or a slow ramp);
+* ``prolog``, ``loops``, ``epilog``: the median program's time before its
+  first tier's loop (its row, range and query loaded), in its loops, and after
+  them (its stores and, in the launch that merges its rows, the merge), from the
+  multiprocessor's cycle counter;
+* ``fixed``, ``per unit``: a least-squares fit of each program's time to the
+  work units it walked (``LaunchConfig.tier_weights``): the cost of a work item
+  that does not grow with its pages, and the cost of a page (NaN where every
+  item has the same units);
+* ``tail``: from the median program end to the last;
+* ``merge``: in the launch that merges its own rows (``m=last``), the mean
+  epilogue of the programs that merged a row less the others';
+* ``busy``: the programs' summed time over ``span`` x the most programs that ran
+  at once (1: every slot busy from the first start to the last end);
+* last, the programs running at each whole microsecond of the first launch of
+  each setting (the ramp and the tail at a glance).
+
+    python scripts/program_timeline.py --batch 32 --context 4096 --variant diffkv-mix
+    python scripts/program_timeline.py --settings "m=rows;m=last;m=last,el=1;m=last,wave=528"
+
+Compiled launches only (the clocks are the GPU's special registers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels.paged_decode import TRACE_COLUMNS  # noqa: E402
+
+
+def _since(x, ref):
+    """``x - ref`` for 32-bit clock readings (int64, the wrap undone; within +-2 s)."""
+    return (x.astype(np.int64) - int(ref) + 2**31) % 2**32 - 2**31
+
+
+def summarize(trace, units, used) -> dict:
+    """The figures of one traced launch.
+
+    Args:
+      trace: ``[N, C]`` int32 (:data:`pallas_kernels.paged_decode.TRACE_COLUMNS`).
+      units: ``[N]`` work units each item walked (``end - begin`` of its work item).
+      used: ``[N]`` bool, the items with work (unused items end at once).
+    Returns:
+      A dict of times in microseconds (see the module's docstring): the launch's
+      ``span_us`` and the like from the global timer; each program's phases from
+      its multiprocessor's cycle counter at the clock rate measured against the
+      timer (``clock_ghz``): ``prologue`` (start to the first loop), ``loops``
+      (first loop's start to the last loop's end), ``epilogue`` (to the end:
+      stores, the row's merge), their medians as ``*_us`` and per item as
+      ``items_us``; the fit ``fixed_us + per_unit_us x units`` of the programs'
+      times (NaN where every item has the same units); per-multiprocessor program
+      counts; per item ``start_us`` / ``end_us`` / ``sm``.
+    """
+    trace, units, used = np.asarray(trace), np.asarray(units, np.float64), np.asarray(used)
+    if trace.shape[1] != len(TRACE_COLUMNS) or not used.any():
+        raise ValueError(f"need a [N, {len(TRACE_COLUMNS)}] trace with at least one used item")
+    col = {name: trace[:, i] for i, name in enumerate(TRACE_COLUMNS)}
+    ref = col["start_ns"][used][0]
+    start, end = _since(col["start_ns"], ref), _since(col["end_ns"], ref)
+    t0 = start[used].min()
+    start, end = (start - t0) / 1e3, (end - t0) / 1e3  # microseconds from the first start
+    dur = end - start
+
+    def cycles(a, b):
+        return (col[f"{b}_cycles"].astype(np.int64) - col[f"{a}_cycles"]) % 2**32
+
+    s, e, d, u, sm = start[used], end[used], dur[used], units[used], col["sm"][used]
+    busy_ns = float(np.sum(d)) * 1e3
+    ghz = float(np.sum(cycles("start", "end")[used])) / busy_ns if busy_ns > 0 else float("nan")
+    phases = {"prologue": cycles("start", "loop") / ghz / 1e3,
+              "loops": cycles("loop", "loop_end") / ghz / 1e3,
+              "epilogue": cycles("loop_end", "end") / ghz / 1e3}
+    span = float(e.max())
+    # Programs running at once, sampled at every start (the most is reached at one).
+    at_once = int(max(np.sum((s <= t) & (e > t)) for t in s))
+    design = np.stack([np.ones_like(u), u], axis=1)
+    (fixed, per_unit), *_ = np.linalg.lstsq(design, d, rcond=None)
+    if np.ptp(u) == 0:  # equal items: the split into fixed and per-unit is unknown
+        fixed, per_unit = float("nan"), float("nan")
+    ids, counts = np.unique(sm, return_counts=True)
+    out = {
+        "items": int(used.sum()),
+        "multiprocessors": int(ids.size),
+        "programs_per_sm": {"min": int(counts.min()), "max": int(counts.max())},
+        "most_at_once": at_once,
+        "span_us": span,
+        "last_start_us": float(s.max()),
+        "first_end_us": float(e.min()),
+        "median_end_us": float(np.median(e)),
+        "tail_us": float(e.max() - np.median(e)),
+        "duration_us": {"min": float(d.min()), "median": float(np.median(d)),
+                        "max": float(d.max())},
+        "fixed_us": float(fixed),
+        "per_unit_us": float(per_unit),
+        "busy": busy_ns / 1e3 / (span * at_once) if span > 0 else float("nan"),
+        "clock_ghz": ghz,
+    }
+    # Programs running at each whole microsecond of the span: the ramp and the tail.
+    marks = np.arange(int(np.ceil(span)) + 1)
+    out["running_per_us"] = [int(np.sum((s <= t) & (e > t))) for t in marks]
+    out.update({f"{k}_us": float(np.median(v[used])) for k, v in phases.items()})
+    out["items_us"] = {k: v.tolist() for k, v in phases.items()}
+    out.update({"start_us": start.tolist(), "end_us": end.tolist(), "sm": col["sm"].tolist()})
+    return out
+
+
+def merge_excess(summary: dict, used, seg) -> float:
+    """The mean epilogue (us) of the items that merged their rows (each row of several
+    items: its last to end) less that of the other used items: in the launch that
+    merges its own rows, the cost of folding a row (NaN without such rows)."""
+    used, seg = np.asarray(used), np.asarray(seg)
+    end = np.asarray(summary["end_us"])
+    epilogue = np.asarray(summary["items_us"]["epilogue"])
+    merging = np.zeros(len(used), bool)
+    for row in np.unique(seg[used]):
+        idx = np.flatnonzero(used & (seg == row))
+        if idx.size > 1:
+            merging[idx[np.argmax(end[idx])]] = True
+    other = used & ~merging
+    if not merging.any() or not other.any():
+        return float("nan")
+    return float(np.mean(epilogue[merging]) - np.mean(epilogue[other]))
+
+
+def parse_settings(text: str) -> list[dict]:
+    """``"m=rows,el=0;m=last,wave=528"`` -> one dict per launch setting: ``merge``
+    ("rows" or "last"), ``early`` (0 or 1), ``wave`` (-1: the caches' plan_wave(),
+    0: off), ``items`` (0: the caches' count), ``stages`` / ``warps`` (0: the
+    caches')."""
+    keys = {"m": "merge", "el": "early", "wave": "wave", "n": "items", "st": "stages",
+            "nw": "warps"}
+    out = []
+    for part in text.split(";"):
+        setting = {"merge": "rows", "early": 0, "wave": -1, "items": 0, "stages": 0,
+                   "warps": 0}
+        for item in filter(None, part.split(",")):
+            k, _, val = item.partition("=")
+            if k not in keys or (k == "m" and val not in ("rows", "last")) or \
+                    (k == "el" and val not in ("0", "1")) or \
+                    (k not in ("m", "el") and not val.isdigit()):
+                raise SystemExit(f"--settings: unknown setting {item!r} (m=rows|last, "
+                                 "el=0|1, wave=N, n=N, st=N, nw=N)")
+            setting[keys[k]] = val if k == "m" else int(val)
+        out.append(setting)
+    return out
+
+
+def label(setting: dict) -> str:
+    """The setting as ``--settings`` names it (defaults left out, but the merge and
+    early loads)."""
+    wave = {-1: "", 0: ",wave=off"}.get(setting["wave"], f",wave={setting['wave']}")
+    rest = "".join(f",{k}={setting[name]}" for k, name in
+                   (("n", "items"), ("st", "stages"), ("nw", "warps")) if setting[name])
+    return f"m={setting['merge']},el={setting['early']}{wave}{rest}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama3-8b", choices=("llama3-8b", "smollm2-135m"))
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--variant", default="diffkv-mix",
+                   choices=("ours-bf16", "int8", "diffkv-high", "diffkv-50/50", "diffkv-mix"))
+    p.add_argument("--tiles", default="tokens", choices=("queries", "tokens"),
+                   help="the quantized pages' dot tiling (LaunchConfig.transposed for tokens)")
+    p.add_argument("--settings", default="m=rows",
+                   help="';'-separated launch settings, each a ','-list of m=rows|last (the "
+                        "launch of partials, its merge launch not traced, or the launch that "
+                        "merges its own rows), el=0|1 (LaunchConfig.early_row_loads), wave=N "
+                        "(items planned to run at once; 0: off; default the caches' "
+                        "plan_wave()), n=N (work items; default the caches' count), st=N / "
+                        "nw=N (pipeline stages / warps; default the caches')")
+    p.add_argument("--repeats", type=int, default=5, help="traced launches after a warm-up")
+    p.add_argument("--json", default="results/program_timeline.json")
+    args = p.parse_args()
+    settings = parse_settings(args.settings)
+
+    import jax
+    import jax.numpy as jnp
+
+    from diffkv_jax.diffkv_kernel_attention import (HI, LO, _launch, plan_wave, tier_weights,
+                                                    work_items)
+    from pallas_kernels import backend
+    from pallas_kernels import paged_decode as pdk
+    from scripts.decode_cases import SHAPES, random_case
+
+    if not backend.on_gpu():
+        print("program_timeline.py reads the GPU's clocks: it needs a GPU", file=sys.stderr)
+        return 2
+    nq, H, D = SHAPES[args.model]
+    G, S = nq // H, args.batch
+    mix = "bf16" if args.variant == "ours-bf16" else args.variant
+    key = jax.random.PRNGKey(0)
+    tiers, nbytes = random_case(jax.random.fold_in(key, 1), mix, S, H, D, args.context)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (S, H, G, D), jnp.bfloat16)
+    transposed = args.tiles == "tokens" and mix != "bf16"
+    weights = tier_weights((HI, LO)[:len(tiers)])
+    device = jax.devices()[0].device_kind
+    results = []
+    for setting in settings:
+        cfg = _launch(emit_logits=mix.startswith("diffkv"),
+                      head_dim=0 if mix == "bf16" else D, transposed=transposed,
+                      weights=weights, early_row_loads=bool(setting["early"]))
+        cfg = dataclasses.replace(cfg, num_stages=setting["stages"] or cfg.num_stages,
+                                  num_warps=setting["warps"] or cfg.num_warps)
+        wave = plan_wave() if setting["wave"] < 0 else (setting["wave"] or None)
+        n_items = setting["items"] or work_items(S, H)
+        work = pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items, wave=wave)
+        merged = setting["merge"] == "last"
+        traced = jax.jit(lambda q, tiers, work, cfg=cfg, merged=merged: pdk.program_trace(
+            q, tiers, work=work, group=G, cfg=cfg, padded_rows=pdk.tile_rows(G, transposed),
+            merged=merged))
+        items = np.asarray(work.items)
+        seg = np.asarray(work.seg)
+        units, used = items[:, 3] - items[:, 2], seg < work.num_rows
+        np.asarray(traced(q, tiers, work))  # compile and warm up
+        runs = []
+        for _ in range(args.repeats):
+            summary = summarize(np.asarray(traced(q, tiers, work)), units, used)
+            if merged:
+                summary["merge_excess_us"] = merge_excess(summary, used, seg)
+            runs.append(summary)
+        results.append({"setting": label(setting), "wave": wave, "work_items": n_items,
+                        "launch": dataclasses.asdict(cfg), "runs": runs})
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as fh:  # after every setting: a run cut short keeps them
+            json.dump({"device": device, "args": vars(args), "bytes": nbytes,
+                       "results": results}, fh)
+    print(f"device {device}; {args.model} B={S} N={args.context} {args.variant}/{args.tiles}; "
+          f"{nbytes / 1e6:.1f} MB read; times in us; merge: the epilogue of the items that "
+          "merged a row beyond the others'")
+    width = max(len(r["setting"]) for r in results)
+    print(f"{'setting':{width}s} {'items':>5s} {'span':>7s} {'last st':>7s} {'1st end':>7s} "
+          f"{'med end':>7s} {'tail':>6s} {'prolog':>6s} {'loops':>6s} {'epilog':>6s} "
+          f"{'fixed':>6s} {'/unit':>6s} {'busy':>5s} {'at once':>7s} {'per SM':>7s} "
+          f"{'GHz':>5s} {'merge':>6s}")
+    for res in results:
+        for r in res["runs"]:
+            per_sm = f"{r['programs_per_sm']['min']}-{r['programs_per_sm']['max']}"
+            merge = r.get("merge_excess_us")
+            print(f"{res['setting']:{width}s} {r['items']:5d} {r['span_us']:7.2f} "
+                  f"{r['last_start_us']:7.2f} {r['first_end_us']:7.2f} "
+                  f"{r['median_end_us']:7.2f} {r['tail_us']:6.2f} {r['prologue_us']:6.2f} "
+                  f"{r['loops_us']:6.2f} {r['epilogue_us']:6.2f} {r['fixed_us']:6.2f} "
+                  f"{r['per_unit_us']:6.3f} {r['busy']:5.2f} {r['most_at_once']:7d} "
+                  f"{per_sm:>7s} {r['clock_ghz']:5.2f} "
+                  + ("" if merge is None else f"{merge:6.2f}"))
+    print("programs running at each microsecond (each setting's first launch):")
+    for res in results:
+        print(f"{res['setting']:{width}s} "
+              + " ".join(str(n) for n in res["runs"][0]["running_per_us"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

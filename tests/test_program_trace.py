@@ -1,0 +1,210 @@
+"""Program traces of the decode launch (``LaunchConfig.trace_programs``,
+:func:`pallas_kernels.paged_decode.program_trace`) and their summary
+(``scripts/program_timeline.py``).
+
+The clocks are the GPU's special registers, so a trace needs a compiled launch:
+on the CPU the launch is lowered for CUDA and the clock reads are checked to
+mark the program's start (before its first load), its loops' start and end, and
+its end (after its stores and its row's merge); where the ``triton`` package is
+installed, in the PTX it compiles to as well. Marked ``gpu``: a real trace, and
+the traced launch's outputs equal to the untraced.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import paged_decode as pdk
+from scripts.program_timeline import label, merge_excess, parse_settings, summarize
+
+from tests.test_early_row_loads import launch_case
+from tests.test_paged_decode_kernel import lowering_tiers
+
+D, G = 128, 4
+CFG = pdk.LaunchConfig(transposed=True, page_lanes=2, tier_weights=(1, 2))
+
+
+def traced_fn(merged: bool):
+    tiers = lowering_tiers(D)
+    work = pdk.plan_work(jnp.ones((1, 1), jnp.int32), 4)
+    return jax.jit(lambda q: pdk.program_trace(q, tiers, work=work, group=G, cfg=CFG,
+                                               padded_rows=8, merged=merged))
+
+
+def lowered(merged: bool) -> str:
+    from scripts.kernel_resources import strip_locations, triton_ir
+
+    return strip_locations(triton_ir(traced_fn(merged), jnp.zeros((1, 1, G, D), jnp.bfloat16)))
+
+
+def positions(text: str, pattern: str) -> list[int]:
+    return [m.start() for m in re.finditer(pattern, text)]
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_clock_reads_mark_the_program_in_the_lowering(merged):
+    ir = lowered(merged)
+    timer, cycles = positions(ir, r"%globaltimer_lo"), positions(ir, r"%clock;")
+    assert len(timer) == len(cycles) == len(pdk.TRACE_POINTS) == 4
+    assert len(positions(ir, r"%smid")) == 1
+    start, loop, loop_end, end = timer
+    loads, loops = positions(ir, r"= tt\.load "), positions(ir, r"scf\.for")
+    stores = positions(ir, r"tt\.store ")
+    if merged:  # the row's merge (its atomic, its folding loop) between the last two
+        atomic = positions(ir, r"tt\.atomic_rmw")
+        assert loop_end < min(atomic) and max(loops) < end
+        loops = [at for at in loops if at < min(atomic)]  # the tiers' loops
+    assert start < min(loads) and loop < min(loops) < max(loops) < loop_end < end
+    # The end: after every store but the two of its own clocks.
+    assert sum(at > end for at in stores) == 2
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_clock_reads_mark_the_program_in_the_ptx(merged, tmp_path):
+    triton = pytest.importorskip("triton", reason="the PTX check compiles with the triton "
+                                 "package (not a test dependency); the lowering test runs")
+    from scripts.kernel_resources import compile_sass
+
+    path = tmp_path / "k.ttir"
+    path.write_text(lowered(merged))
+    compile_sass(triton, str(path), str(tmp_path), "k", 1, 3)
+    ptx = (tmp_path / "k.ptx").read_text()
+    start, loop, loop_end, end = positions(ptx, r"%globaltimer_lo")
+    # Loop headers (the compiler's marks) fall between the loop marks.
+    headers = positions(ptx, r"Loop Header")
+    if merged:  # the row's merge (its atomic, its folding loop) between the last two
+        atomic = positions(ptx, r"atom\.global")
+        assert loop_end < min(atomic) and max(headers) < end
+        headers = [at for at in headers if at < min(atomic)]  # the tiers' loops
+    assert headers and start < loop < min(headers) and max(headers) < loop_end < end
+    assert positions(ptx, r"%smid")[0] < loop
+
+
+def test_a_trace_needs_a_compiled_launch():
+    q, tiers = launch_case("k8v4+k4v2", 64, 3, seed=1)
+    work = pdk.plan_work(pdk.row_pages(tiers), 16)
+    traced = pdk.LaunchConfig(trace_programs=True, dot_dtype="float32")
+    with pytest.raises(ValueError, match="compiled launch"):
+        pdk._decode_call(q, tiers, 3, 3, traced, work, True)
+    # The launches that return attention, not a trace, refuse the setting.
+    with pytest.raises(ValueError, match="program_trace"):
+        pdk.paged_decode_partials(q, tiers, cfg=traced, work=work, interpret=True)
+    with pytest.raises(ValueError, match="program_trace"):
+        pdk.paged_decode_merged(q, tiers, cfg=traced, work=work, interpret=True)
+
+
+PROLOGUE_NS, LOOP_FIXED_NS, PER_UNIT_NS, EPILOGUE_NS = 300, 1000, 250, 500
+
+
+def synthetic_trace(sms=4, wrap_at=2**32 - 5000, merge_ns=None):
+    """A launch of 4 programs per multiprocessor run back to back, items of 3 - 12
+    units in four rows (``seg``), each row's last item to end merging for
+    ``merge_ns`` more; the timer starts just below its 32-bit wrap and the cycle
+    counters run at 2 GHz from a different origin per multiprocessor."""
+    rng = np.random.default_rng(0)
+    n = sms * 4
+    units = rng.integers(3, 13, n)
+    seg = np.repeat(np.arange(4), n // 4)
+    points = np.zeros((n, 4), np.int64)
+    free = np.zeros(sms, np.int64)
+    for i in range(n):
+        sm = i % sms
+        points[i, 0] = free[sm] + 40 * (i // sms)  # the last starts 120 ns late
+        points[i, 1] = points[i, 0] + PROLOGUE_NS
+        points[i, 2] = points[i, 1] + LOOP_FIXED_NS + PER_UNIT_NS * units[i]
+        points[i, 3] = points[i, 2] + EPILOGUE_NS
+        free[sm] = points[i, 3]
+    merging = [np.flatnonzero(seg == r)[np.argmax(points[seg == r, 3])] for r in range(4)]
+    if merge_ns:
+        points[merging, 3] += merge_ns
+    sm = np.arange(n) % sms
+    cycles = 7919 * sm[:, None] + 2 * points
+    trace = np.concatenate([points + wrap_at, cycles, sm[:, None]], axis=1)
+    trace = ((trace + 2**31) % 2**32 - 2**31).astype(np.int32)  # through the wrap
+    return trace, units, seg, merging
+
+
+def test_summary_recovers_the_schedule_through_the_timer_wrap():
+    trace, units, _, _ = synthetic_trace()
+    used = np.ones(len(units), bool)
+    s = summarize(trace, units, used)
+    assert s["clock_ghz"] == pytest.approx(2.0)
+    assert s["prologue_us"] == pytest.approx(0.3) and s["epilogue_us"] == pytest.approx(0.5)
+    np.testing.assert_allclose(s["items_us"]["loops"], 1.0 + 0.25 * units)
+    assert s["fixed_us"] == pytest.approx(1.8, abs=1e-6)
+    assert s["per_unit_us"] == pytest.approx(0.25, abs=1e-6)
+    assert s["multiprocessors"] == 4 and s["programs_per_sm"] == {"min": 4, "max": 4}
+    assert s["most_at_once"] == 4
+    ends = np.asarray(s["end_us"])
+    assert s["span_us"] == pytest.approx(ends.max()) and min(s["start_us"]) == 0
+    assert s["last_start_us"] > 0 and 0 < s["tail_us"] < s["span_us"]
+    assert s["busy"] == pytest.approx(np.sum(1.8 + 0.25 * units) / (4 * ends.max()))
+    assert 0 < s["busy"] < 1
+    running = s["running_per_us"]
+    assert len(running) == int(np.ceil(ends.max())) + 1 and running[0] == 4 and running[-1] == 0
+
+
+def test_summary_leaves_out_unused_items_and_finds_the_merge():
+    trace, units, seg, merging = synthetic_trace(merge_ns=3000)
+    used = np.ones(len(units), bool)
+    spare = min(set(range(len(units))) - set(merging))
+    used[spare] = False  # an unused item: its clocks are left out
+    trace[spare, :4] = [123, 124, 125, 126]
+    s = summarize(trace, units, used)
+    assert s["items"] == len(units) - 1 and min(s["start_us"][i] for i in np.flatnonzero(used)) == 0
+    assert merge_excess(s, used, seg) == pytest.approx(3.0)
+    assert np.isnan(merge_excess(s, used, np.arange(len(units))))  # rows of one item
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merged", [False, True])
+def test_compiled_trace_on_gpu(merged):
+    q, tiers = launch_case("k8v4+k4v2 wide", 128, 4, seed=7)
+    cfg = pdk.LaunchConfig(transposed=True, page_lanes=2, tier_weights=(1, 2))
+    work = pdk.plan_work(pdk.row_pages(tiers, weights=(1, 2)), 64)
+    trace = np.asarray(pdk.program_trace(q, tiers, work=work, group=4, cfg=cfg,
+                                         padded_rows=8, merged=merged))
+    items = np.asarray(work.items)
+    used = np.asarray(work.seg) < work.num_rows
+    s = summarize(trace, items[:, 3] - items[:, 2], used)
+    assert 0 < s["span_us"] < 1e4 and s["duration_us"]["min"] > 0
+    assert 0.5 < s["clock_ghz"] < 3.0
+    for phase in ("prologue", "loops", "epilogue"):  # each under the whole program's time
+        times = np.asarray(s["items_us"][phase])[used]
+        assert (times >= 0).all() and (times <= 1.01 * s["duration_us"]["max"] + 0.1).all()
+    assert all(0 <= x < 1024 for x in s["sm"])
+    # The traced launch computes what the untraced one does.
+    merge = (pdk.merge_counters(*q.shape[:2]), jnp.float32, 4, True) if merged else None
+    qp = pdk.pad_group(q, 8)
+    plain = pdk._decode_call(qp, tiers, 4, 8, cfg, work, False, merge)
+    traced = pdk._decode_call(qp, tiers, 4, 8, dataclasses.replace(cfg, trace_programs=True),
+                              work, False, merge)
+    for x, y in zip(plain, traced[:-1]):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_settings_parse_and_refuse_unknown_ones():
+    assert parse_settings("m=last,el=1,wave=528;n=2112,st=2") == [
+        {"merge": "last", "early": 1, "wave": 528, "items": 0, "stages": 0, "warps": 0},
+        {"merge": "rows", "early": 0, "wave": -1, "items": 2112, "stages": 2, "warps": 0}]
+    assert [label(x) for x in parse_settings("m=rows;wave=0,el=1;nw=2")] == [
+        "m=rows,el=0", "m=rows,el=1,wave=off", "m=rows,el=0,nw=2"]
+    for bad in ("m=first", "el=2", "lanes=2", "wave=-3", "st=two"):
+        with pytest.raises(SystemExit, match="unknown setting"):
+            parse_settings(bad)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off the GPU")
+def test_timeline_script_says_it_needs_a_gpu():
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "program_timeline.py")],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 2 and "needs a GPU" in proc.stderr
