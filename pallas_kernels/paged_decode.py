@@ -383,7 +383,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
     def early_entries(fmt: TierFormat) -> int:
         """Table entries the tier's first loop steps read before the loop's pipeline is
         full (``num_stages - 1`` steps ahead): the ones :func:`early_loads` reads."""
-        cap, n_sub, laned = tier_steps(fmt)
+        _, n_sub, laned = tier_steps(fmt)
         ahead = max(cfg.num_stages - 1, 1)
         return min(n_lanes * ahead if laned else -(-ahead // n_sub), 8)
 
@@ -560,7 +560,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                                   lane_page[r], 0)
             return accs, m, l, r_acc, z
 
-        if at_loop is not None:  # the loop's operands (its range, the query) are known
+        if at_loop is not None:  # once the loop's operands (its range, the query) are known
             qv = q_sum if fmt.quantized else q_full.astype(jnp.float32)
             at_loop(first + last + lax.bitcast_convert_type(jnp.max(qv), jnp.int32))
         if laned:
@@ -574,18 +574,24 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
              jnp.zeros(r_shape, jnp.float32), jnp.zeros((Gp,), jnp.float32))
     offset = jnp.int32(0)
     early = early_loads() if cfg.early_row_loads else [None] * len(tiers)
-    def stamp(*columns):
-        if trace_ref is None:
-            return None
-        return lambda dep: _stamp(trace_ref, item, dep, columns)
+
+    def stamp(value, *columns):
+        """The trace's clocks ``columns`` read once ``value`` (a float32 or int32
+        scalar computed by what the mark follows) is known."""
+        if value.dtype != jnp.int32:
+            value = lax.bitcast_convert_type(value, jnp.int32)
+        _stamp(trace_ref, item, value, columns)
 
     for t, fmt in enumerate(tiers):
+        at_loop = None
+        if trace_ref is not None and t == 0:
+            at_loop = lambda value: stamp(value, "loop_ns", "loop_cycles")  # noqa: E731
         carry, offset = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
                                   s_refs[t] if s_refs else None, carry, offset, early[t],
-                                  stamp("loop_ns", "loop_cycles") if t == 0 else None)
+                                  at_loop)
     accs, m, l, r, z = carry
     if trace_ref is not None:  # after the last tier's loop
-        stamp("loop_end_ns", "loop_end_cycles")(lax.bitcast_convert_type(jnp.max(l), jnp.int32))
+        stamp(jnp.max(l), "loop_end_ns", "loop_end_cycles")
     # Every tier's values carry the same offset terms: o = acc - 1024 R + Z (every
     # column of the R tile holds the same row sums).
     corr_o = z - MAGIC * jnp.max(r, axis=0 if tr else 1) if magic else z
@@ -604,7 +610,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         m_ref[...] = m * LN2  # natural units outside the kernel
         l_ref[...] = l
     if trace_ref is not None:  # after the stores (and the row's merge)
-        stamp("end_ns", "end_cycles")(lax.bitcast_convert_type(jnp.max(outs[-1]), jnp.int32))
+        stamp(jnp.max(outs[-1]), "end_ns", "end_cycles")
 
 
 #: The points of a program a trace marks: its start (before its first load), the

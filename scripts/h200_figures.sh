@@ -13,6 +13,7 @@
 #   bash scripts/h200_figures.sh early        # the rows' loads before the first loop (early_row_loads)
 #   bash scripts/h200_figures.sh early-step   # DiffKV's decode step with them
 #   bash scripts/h200_figures.sh timeline     # when each program of a launch starts and ends
+#   bash scripts/h200_figures.sh smollm2      # the embedded model's shapes, as the caches launch
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
 #   bash scripts/h200_figures.sh policy       # the policy launch: its floor, the lane victim search
@@ -104,6 +105,12 @@ case "${1:-}" in
     $T --variant diffkv-50/50 --settings "m=rows;m=last" --json "$OUT/timeline_5050_32x4k.json"
     $T --context 16384 --settings "m=rows;m=last" --json "$OUT/timeline_mix_32x16k.json"
     $T --batch 128 --settings "m=rows;m=last" --json "$OUT/timeline_mix_128x4k.json" ;;
+  smollm2)
+    # SmolLM2-135M's heads (9 q / 3 KV, d = 64) with the caches' launch: token tiles, the
+    # one-wave plan, the merge in its own launch and inside the decode launch
+    python scripts/bench_attention.py --models smollm2-135m --batches 32,128 \
+      --contexts 4096,16384 --kernel-tiles tokens --chain 32 --tune "m=last" \
+      --json "$OUT/bench_attention_smollm2.json" ;;
   ragged)
     python scripts/bench_ragged_attention.py --json "$OUT/bench_ragged_attention.json" ;;
   policy)
@@ -118,6 +125,6 @@ case "${1:-}" in
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|smollm2|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac
