@@ -89,9 +89,10 @@ case "${1:-}" in
       --json "$OUT/bench_attention_early_b128.json" ;;
   early-step)
     for E in false true; do
-      python scripts/step_breakdown.py --model llama3-8b --methods diffkv --batch 64 \
+      python scripts/step_breakdown.py --model llama3-8b --methods full,diffkv --batch 64 \
         --context 4096 --iters 5 --only-step --prompt 0 --profile 3 \
-        --diffkv-options "early_row_loads=$E" --json "$OUT/step_early_$E.json"
+        --diffkv-options "early_row_loads=$E" --full-options "early_row_loads=$E" \
+        --json "$OUT/step_early_$E.json"
     done ;;
   timeline)
     # where a launch's time goes that does not grow with its bytes: the programs' start,

@@ -111,12 +111,14 @@ def breakdown(name, cfg, params, args):
     B, C = args.batch, args.context
     # Steps each variant and the compaction timing add to every row's context.
     budget = (len(VARIANTS) + 2) * (3 * args.iters + 2) + 2 * (args.profile + 1) + 8
+    from scripts.bench_throughput import parse_options
+
     options = {"attention_impl": args.attention}
     if name == "diffkv":
-        from scripts.bench_throughput import parse_options
-
         options.update(alpha_high=args.alpha_high, alpha_low=args.alpha_low,
                        **parse_options(args.diffkv_options))
+    elif name == "full":
+        options.update(parse_options(args.full_options))
     method = make_method(name, cfg, max_seqs=B, max_context=C + budget, dtype=jnp.bfloat16,
                          **options)
     num_pages = B * (method.pages_for_tokens(C + budget) + method.num_layers
@@ -361,6 +363,9 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--diffkv-options", default="",
                    help="more DiffKV options as key=value;key=value (e.g. decide_impl=pallas)")
+    p.add_argument("--full-options", default="",
+                   help="more options of the uncompressed cache, as --diffkv-options (e.g. "
+                        "early_row_loads=true)")
     p.add_argument("--hlo-dir", default=None, help="write each method's optimized step HLO "
                    "here")
     args = p.parse_args()
