@@ -98,12 +98,13 @@ case "${1:-}" in
     # where a launch's time goes that does not grow with its bytes: the programs' start,
     # loop and end times of the realistic mix at 32 x 4K (each program's prologue, loops
     # and epilogue, the ramp, the tail, the merge), with fewer items per wave, against
-    # the 50/50 mix, 32 x 16K and 128 x 4K
+    # the 50/50 mix and all-high (one tier), 32 x 16K and 128 x 4K
     python -m pytest -q -m gpu tests/test_program_trace.py
     T="python scripts/program_timeline.py --repeats 3"
     $T --settings "m=rows;m=rows,el=1;m=last;m=last,el=1;m=last,wave=528;m=last,wave=792" \
       --json "$OUT/timeline_mix_32x4k.json"
     $T --variant diffkv-50/50 --settings "m=rows;m=last" --json "$OUT/timeline_5050_32x4k.json"
+    $T --variant diffkv-high --settings "m=rows;m=last" --json "$OUT/timeline_high_32x4k.json"
     $T --context 16384 --settings "m=rows;m=last" --json "$OUT/timeline_mix_32x16k.json"
     $T --batch 128 --settings "m=rows;m=last" --json "$OUT/timeline_mix_128x4k.json" ;;
   smollm2)
