@@ -13,6 +13,7 @@
 #   bash scripts/h200_figures.sh early        # the rows' loads before the first loop (early_row_loads)
 #   bash scripts/h200_figures.sh early-step   # DiffKV's decode step with them
 #   bash scripts/h200_figures.sh timeline     # when each program of a launch starts and ends
+#   bash scripts/h200_figures.sh timeline-shapes  # the same at 32 x 16K and 128 x 4K
 #   bash scripts/h200_figures.sh smollm2      # the embedded model's shapes, as the caches launch
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
@@ -98,13 +99,16 @@ case "${1:-}" in
     # where a launch's time goes that does not grow with its bytes: the programs' start,
     # loop and end times of the realistic mix at 32 x 4K (each program's prologue, loops
     # and epilogue, the ramp, the tail, the merge), with fewer items per wave, against
-    # the 50/50 mix and all-high (one tier), 32 x 16K and 128 x 4K
+    # the 50/50 mix and all-high (one tier)
     python -m pytest -q -m gpu tests/test_program_trace.py
     T="python scripts/program_timeline.py --repeats 3"
     $T --settings "m=rows;m=rows,el=1;m=last;m=last,el=1;m=last,wave=528;m=last,wave=792" \
       --json "$OUT/timeline_mix_32x4k.json"
-    $T --variant diffkv-50/50 --settings "m=rows;m=last" --json "$OUT/timeline_5050_32x4k.json"
-    $T --variant diffkv-high --settings "m=rows;m=last" --json "$OUT/timeline_high_32x4k.json"
+    $T --variant diffkv-50/50 --settings "m=last" --json "$OUT/timeline_5050_32x4k.json"
+    $T --variant diffkv-high --settings "m=last" --json "$OUT/timeline_high_32x4k.json" ;;
+  timeline-shapes)
+    # the same at 32 x 16K and 128 x 4K: what grows with the context or the batch
+    T="python scripts/program_timeline.py --repeats 3"
     $T --context 16384 --settings "m=rows;m=last" --json "$OUT/timeline_mix_32x16k.json"
     $T --batch 128 --settings "m=rows;m=last" --json "$OUT/timeline_mix_128x4k.json" ;;
   smollm2)
@@ -127,6 +131,6 @@ case "${1:-}" in
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|smollm2|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|smollm2|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac
