@@ -122,8 +122,8 @@ class FullCache(SlotPages):
         counters in the state; timed on the H200 only over quantized
         tiers, 1 µs faster per launch at 32 x 4K), or "auto": "pallas" where
         the kernels run compiled on a GPU, "xla" otherwise.
-      early_row_loads: the attention launch loads each row's token count and first
-        page-table entry as soon as its work item is known
+      early_row_loads: the attention launch loads each row's token count and the
+        page-table entries of its first pages as soon as its work item is known
         (:attr:`pallas_kernels.paged_decode.LaunchConfig.early_row_loads`); the same
         results. The kernel path only.
     """

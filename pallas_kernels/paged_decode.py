@@ -271,8 +271,16 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
     # This program's work item: row (s, h) over pages [begin, end) of the row's
     # tiers laid end to end (high pages, then low pages).
     item = pl.program_id(0)
+
+    def stamp(value, *columns):
+        """The trace's clocks ``columns`` read once ``value`` (a float32 or int32
+        scalar computed by what the mark follows) is known."""
+        if value.dtype != jnp.int32:
+            value = lax.bitcast_convert_type(value, jnp.int32)
+        _stamp(trace_ref, item, value, columns)
+
     if trace_ref is not None:  # before the item's first load
-        _stamp(trace_ref, item, item, ("start_ns", "start_cycles", "sm"))
+        stamp(item, "start_ns", "start_cycles", "sm")
     s_i, h_i = items_ref[item, 0], items_ref[item, 1]
     begin, end = items_ref[item, 2], items_ref[item, 3]
     magic = cfg.dot_dtype == "float16"
@@ -574,14 +582,6 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
              jnp.zeros(r_shape, jnp.float32), jnp.zeros((Gp,), jnp.float32))
     offset = jnp.int32(0)
     early = early_loads() if cfg.early_row_loads else [None] * len(tiers)
-
-    def stamp(value, *columns):
-        """The trace's clocks ``columns`` read once ``value`` (a float32 or int32
-        scalar computed by what the mark follows) is known."""
-        if value.dtype != jnp.int32:
-            value = lax.bitcast_convert_type(value, jnp.int32)
-        _stamp(trace_ref, item, value, columns)
-
     for t, fmt in enumerate(tiers):
         at_loop = None
         if trace_ref is not None and t == 0:
@@ -1048,19 +1048,10 @@ def paged_decode_merged(q, tiers: Sequence[TierInput], *, work: WorkList,
       :func:`merge_work` (rows without items: zeros, ``M = NEG_INF``, ``L = 0``),
       the logits as :func:`paged_decode_partials`'s, and the counters.
     """
-    if work.ranges is None:
-        raise ValueError("paged_decode_merged needs the work list's ranges (plan_work's)")
-    if items_per_step < 1 or items_per_step & (items_per_step - 1):
-        raise ValueError(f"items_per_step must be a power of two, got {items_per_step}")
+    merge = _merge_spec(q, work, counters, out_dtype, items_per_step, normalize)
     interpret, G, Gp = _check_launch(q, tiers, padded_rows, group, interpret, cfg)
     S, H = q.shape[:2]
-    if counters is None:
-        counters = merge_counters(S, H)
-    if counters.shape != (S * H,) or counters.dtype != jnp.int32:
-        raise ValueError(f"counters must be int32 [{S * H}], got {counters.dtype} "
-                         f"{counters.shape}")
-    outs = _decode_call(q, tiers, G, Gp, cfg, work, interpret,
-                        (counters, out_dtype, items_per_step, normalize))
+    outs = _decode_call(q, tiers, G, Gp, cfg, work, interpret, merge)
     out, M, L = (x[:, :, :G] for x in outs[3:6])
     if zero_empty:
         # Rows without items were never written: zeros, as merge_work leaves them (an
@@ -1088,15 +1079,30 @@ def program_trace(q, tiers: Sequence[TierInput], *, work: WorkList, group: int |
     clocks cost a few instructions per program; the outputs are the untraced
     launch's.
     """
+    merge = (_merge_spec(q, work, None, jnp.float32, items_per_step, True) if merged
+             else None)
     interpret, G, Gp = _check_launch(q, tiers, padded_rows, group, False)
-    merge = None
-    if merged:
-        if work.ranges is None:
-            raise ValueError("a merged launch needs the work list's ranges (plan_work's)")
-        S, H = q.shape[:2]
-        merge = (merge_counters(S, H), jnp.float32, items_per_step, True)
     cfg = dataclasses.replace(cfg, trace_programs=True)
     return _decode_call(q, tiers, G, Gp, cfg, work, interpret, merge)[-1]
+
+
+def _merge_spec(q, work: WorkList, counters, out_dtype, items_per_step: int,
+                normalize: bool):
+    """The ``merge`` argument of :func:`_decode_call` for a launch that merges its
+    own rows, after checking the work list, ``items_per_step`` and the counters
+    (zeroed ones made where None)."""
+    if work.ranges is None:
+        raise ValueError("a launch that merges its rows needs the work list's ranges "
+                         "(plan_work's)")
+    if items_per_step < 1 or items_per_step & (items_per_step - 1):
+        raise ValueError(f"items_per_step must be a power of two, got {items_per_step}")
+    S, H = q.shape[:2]
+    if counters is None:
+        counters = merge_counters(S, H)
+    if counters.shape != (S * H,) or counters.dtype != jnp.int32:
+        raise ValueError(f"counters must be int32 [{S * H}], got {counters.dtype} "
+                         f"{counters.shape}")
+    return counters, out_dtype, items_per_step, normalize
 
 
 def merge_work(o, m, l, work: WorkList, S: int, H: int, extra=None):
