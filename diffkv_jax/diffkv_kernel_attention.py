@@ -90,6 +90,14 @@ def tier_weights(tiers=(HI, LO)) -> tuple:
     return tuple(TIER_WEIGHTS[t] for t in tiers)
 
 
+def min_item_units(weights=()) -> int:
+    """Work units a planned item holds at least (``pdk.plan_work``'s ``min_pages``): two
+    pages of the launch's lightest tier and one of its heaviest (two pages where pages
+    count once), so that an item of that many units holds a page (a page is the item's
+    that holds its first unit) whatever the units per page."""
+    return max(2 * min(weights, default=1), max(weights, default=1))
+
+
 def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
             weights: tuple = (), logits_dtype: str = "float16",
             early_row_loads: bool = False) -> pdk.LaunchConfig:
@@ -188,7 +196,8 @@ def plan_decode_work(method, state, active) -> pdk.WorkList:
     N = work_items(S, H)
 
     def plan(p):
-        w = pdk.plan_work(p, N, wave=plan_wave())
+        w = pdk.plan_work(p, N, min_pages=min_item_units(tier_weights(tiers)),
+                          wave=plan_wave())
         return w.items, w.seg, w.ranges
 
     items, seg, ranges = jax.vmap(plan)(pages)

@@ -41,7 +41,8 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
 
-    from diffkv_jax.diffkv_kernel_attention import HI, LO, _launch, tier_weights, work_items
+    from diffkv_jax.diffkv_kernel_attention import (HI, LO, _launch, min_item_units, tier_weights,
+                                                    work_items)
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import chained_call, copy_bandwidth, random_case, time_chained_ms
@@ -61,7 +62,8 @@ def main() -> int:
             for wave in (None, args.wave):
                 def plan(tiers, wave=wave):
                     return pdk.plan_work(pdk.row_pages(tiers, weights=weights),
-                                         work_items(S, H), wave=wave)
+                                         work_items(S, H), min_pages=min_item_units(weights),
+                                         wave=wave)
 
                 for emit in (True, False):
                     cfg = _launch(emit_logits=emit, head_dim=D, transposed=True,

@@ -102,8 +102,8 @@ def main() -> int:
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
-    from diffkv_jax.diffkv_kernel_attention import (HI, LO, _launch, plan_wave, tier_weights,
-                                                    work_items)
+    from diffkv_jax.diffkv_kernel_attention import (HI, LO, _launch, min_item_units, plan_wave,
+                                                    tier_weights, work_items)
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import (SHAPES, case_reference, chained_call, copy_bandwidth,
@@ -193,7 +193,8 @@ def main() -> int:
         wave = tune.get("wave", plan_wave())
 
         def plan(tiers):
-            return pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items, wave=wave)
+            return pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items,
+                                 min_pages=min_item_units(weights), wave=wave)
 
         merge_kind = tune.get("merge", args.merge)
         threaded = merge_kind == "last"

@@ -75,7 +75,8 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from diffkv_jax.diffkv_kernel_attention import _launch, plan_wave, tier_weights, work_items
+    from diffkv_jax.diffkv_kernel_attention import (_launch, min_item_units, plan_wave, tier_weights,
+                                                    work_items)
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.policy_scores import RowPartials, VictimRule, merge_victims, score_victims
 
@@ -118,7 +119,7 @@ def main() -> int:
         act = jnp.asarray(lens > 0)
         qg = jax.random.normal(k_q, (S, H, G, D), jnp.bfloat16)
         work = pdk.plan_work(pdk.row_pages(tiers, act, tier_weights()), work_items(S, H),
-                             wave=plan_wave())
+                             min_pages=min_item_units(tier_weights()), wave=plan_wave())
         o, m, l, logits = pdk.paged_decode_partials(qg, tiers, group=G,
                                                     cfg=_launch(True, D, weights=tier_weights()),
                                                     work=work, padded_stats=True,

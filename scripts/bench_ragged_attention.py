@@ -59,7 +59,7 @@ def main() -> int:
     p.add_argument("--splits", default="1,2,4,8")
     p.add_argument("--items", default="",
                    help="work-item counts to try besides the default (comma-separated)")
-    p.add_argument("--min-pages", type=int, default=2, help="pages per work item at least")
+    p.add_argument("--min-pages", type=int, default=2, help="pages per work item at least (of the lightest tier: the caches' plan)")
     p.add_argument("--variants", default="",
                    help="work-launch settings to try besides the caches' (see above)")
     p.add_argument("--no-logits", action="store_true",
@@ -187,8 +187,10 @@ def main() -> int:
             for name, lcfg, n_items, plan, merge in launches:
 
                 def planned(tiers, act, cfg=lcfg, n_items=n_items, plan=plan):
+                    # min_pages counts pages of the lightest tier, the plan its units
+                    units = plan["min_pages"] * min(cfg.tier_weights, default=1)
                     return pdk.plan_work(pdk.row_pages(tiers, act, cfg.tier_weights), n_items,
-                                         **plan)
+                                         **dict(plan, min_pages=units))
 
                 def launch(qr, wl, tiers, act, cfg=lcfg, merge=merge):
                     # As the caches call it: q's real rows, padded in the kernel.

@@ -142,25 +142,46 @@ def merge_excess(summary: dict, used, seg) -> float:
     return float(np.mean(epilogue[merging]) - np.mean(epilogue[other]))
 
 
+def tail_split(items, seg, num_rows: int, percent: int):
+    """A work list's used items each cut in two, the last ``percent`` of its units
+    apart: every item's first part, then every item's last part, then the unused
+    items (``(items, seg)``, numpy). The GPU starts programs in order, so the last
+    parts run in the slots the first parts free, whichever end first. A row's items
+    are then not consecutive: a launch of partials only (``m=rows``), whose merge
+    this order does not fit (a timing of the launch, not its outputs)."""
+    items, seg = np.asarray(items), np.asarray(seg)
+    used = seg < num_rows
+    head, tail = items[used].copy(), items[used].copy()
+    cut = head[:, 3] - (head[:, 3] - head[:, 2]) * percent // 100
+    head[:, 3], tail[:, 2] = cut, cut
+    keep = tail[:, 3] > tail[:, 2]
+    new_items = np.concatenate([head, tail[keep], items[~used]])
+    new_seg = np.concatenate([seg[used], seg[used][keep], seg[~used]])
+    return new_items.astype(np.int32), new_seg.astype(np.int32)
+
+
 def parse_settings(text: str) -> list[dict]:
     """``"m=rows,el=0;m=last,wave=528"`` -> one dict per launch setting: ``merge``
     ("rows" or "last"), ``early`` (0 or 1), ``wave`` (-1: the caches' plan_wave(),
     0: off), ``items`` (0: the caches' count), ``stages`` / ``warps`` (0: the
     caches')."""
     keys = {"m": "merge", "el": "early", "wave": "wave", "n": "items", "st": "stages",
-            "nw": "warps"}
+            "nw": "warps", "tail": "tail", "tw": "low_weight"}
     out = []
     for part in text.split(";"):
         setting = {"merge": "rows", "early": 0, "wave": -1, "items": 0, "stages": 0,
-                   "warps": 0}
+                   "warps": 0, "tail": 0, "low_weight": 0}
         for item in filter(None, part.split(",")):
             k, _, val = item.partition("=")
             if k not in keys or (k == "m" and val not in ("rows", "last")) or \
                     (k == "el" and val not in ("0", "1")) or \
                     (k not in ("m", "el") and not val.isdigit()):
                 raise SystemExit(f"--settings: unknown setting {item!r} (m=rows|last, "
-                                 "el=0|1, wave=N, n=N, st=N, nw=N)")
+                                 "el=0|1, wave=N, n=N, st=N, nw=N, tail=P, tw=N)")
             setting[keys[k]] = val if k == "m" else int(val)
+        if setting["tail"] and (setting["merge"] != "rows" or setting["tail"] >= 100):
+            raise SystemExit(f"--settings: tail={setting['tail']} needs m=rows and a "
+                             "percentage under 100")
         out.append(setting)
     return out
 
@@ -170,7 +191,8 @@ def label(setting: dict) -> str:
     early loads)."""
     wave = {-1: "", 0: ",wave=off"}.get(setting["wave"], f",wave={setting['wave']}")
     rest = "".join(f",{k}={setting[name]}" for k, name in
-                   (("n", "items"), ("st", "stages"), ("nw", "warps")) if setting[name])
+                   (("n", "items"), ("st", "stages"), ("nw", "warps"), ("tail", "tail"),
+                    ("tw", "low_weight")) if setting[name])
     return f"m={setting['merge']},el={setting['early']}{wave}{rest}"
 
 
@@ -198,8 +220,8 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
 
-    from diffkv_jax.diffkv_kernel_attention import (HI, LO, _launch, plan_wave, tier_weights,
-                                                    work_items)
+    from diffkv_jax.diffkv_kernel_attention import (HI, LO, _launch, min_item_units, plan_wave,
+                                                    tier_weights, work_items)
     from pallas_kernels import backend
     from pallas_kernels import paged_decode as pdk
     from scripts.decode_cases import SHAPES, random_case
@@ -214,10 +236,13 @@ def main() -> int:
     tiers, nbytes = random_case(jax.random.fold_in(key, 1), mix, S, H, D, args.context)
     q = jax.random.normal(jax.random.fold_in(key, 2), (S, H, G, D), jnp.bfloat16)
     transposed = args.tiles == "tokens" and mix != "bf16"
-    weights = tier_weights((HI, LO)[:len(tiers)])
+    base_weights = tier_weights((HI, LO)[:len(tiers)])
     device = jax.devices()[0].device_kind
     results = []
     for setting in settings:
+        weights = base_weights
+        if setting["low_weight"] and len(weights) == 2:  # the high tier's pages count 8
+            weights = (8, setting["low_weight"])
         cfg = _launch(emit_logits=mix.startswith("diffkv"),
                       head_dim=0 if mix == "bf16" else D, transposed=transposed,
                       weights=weights, early_row_loads=bool(setting["early"]))
@@ -225,7 +250,11 @@ def main() -> int:
                                   num_warps=setting["warps"] or cfg.num_warps)
         wave = plan_wave() if setting["wave"] < 0 else (setting["wave"] or None)
         n_items = setting["items"] or work_items(S, H)
-        work = pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items, wave=wave)
+        work = pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items,
+                             min_pages=min_item_units(weights), wave=wave)
+        if setting["tail"]:
+            split = tail_split(work.items, work.seg, work.num_rows, setting["tail"])
+            work = pdk.WorkList(jnp.asarray(split[0]), jnp.asarray(split[1]), work.num_rows)
         merged = setting["merge"] == "last"
         traced = jax.jit(lambda q, tiers, work, cfg=cfg, merged=merged: pdk.program_trace(
             q, tiers, work=work, group=G, cfg=cfg, padded_rows=pdk.tile_rows(G, transposed),
@@ -241,7 +270,8 @@ def main() -> int:
                 summary["merge_excess_us"] = merge_excess(summary, used, seg)
             runs.append(summary)
         results.append({"setting": label(setting), "wave": wave, "work_items": n_items,
-                        "launch": dataclasses.asdict(cfg), "runs": runs})
+                        "launch": dataclasses.asdict(cfg), "items": items.tolist(),
+                        "runs": runs})
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:  # after every setting: a run cut short keeps them
             json.dump({"device": device, "args": vars(args), "bytes": nbytes,

@@ -60,13 +60,15 @@ TIER_SETS = {
 
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
                  seed=0, work_items=None, sub_slots=0, page_lanes=1, rows_in_kernel=False,
-                 transposed=False, tier_weights=(), lane_slots=32, logits_dtype=None):
+                 transposed=False, tier_weights=(), lane_slots=32, logits_dtype=None,
+                 min_pages=2):
     """``logits_dtype``: the stored logits' type (None: that of the dots, so the
     float32 checks compare float32 logits). ``work_items``: launch over
     :func:`pdk.plan_work` items (rows 1 and 4 inactive) instead of ``splits`` even
     splits per row. ``rows_in_kernel``: q keeps its ``G``
     rows and the kernel pads them to ``pad`` itself (``padded_rows``).
-    ``tier_weights``: work units per page of each tier, in the plan and the launch."""
+    ``tier_weights``: work units per page of each tier, in the plan and the launch;
+    ``min_pages``: the plan's least units per item."""
     rng = np.random.default_rng(seed)
     S, H, P, NP = (3, 2, 24, 3) if work_items is None else (5, 2, 40, 5)
     tiers, refs = [], []
@@ -86,7 +88,7 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
     if work_items is not None:
         active[[1, 4]] = False
         work = pdk.plan_work(pdk.row_pages(tiers, jnp.asarray(active), tier_weights),
-                             work_items)
+                             work_items, min_pages=min_pages)
     o, m, l, logits = pdk.paged_decode_partials(qk, tiers, group=G, cfg=cfg, work=work,
                                                 interpret=interpret, padded_rows=padded_rows)
     assert o.shape[-2] == G and m.shape[-1] == G and l.shape[-1] == G
@@ -383,6 +385,49 @@ def test_weighted_work_units_match_reference(weights, work_items):
                  pad=8, page_lanes=2, work_items=work_items, seed=5 + (work_items or 0),
                  rows_in_kernel=work_items is not None, transposed=True,
                  tier_weights=weights)
+
+
+@pytest.mark.parametrize("work_items", [16, 64])
+def test_eighths_work_units_match_reference(work_items):
+    # The caches' weights in eighths of a high page (diffkv_kernel_attention.TIER_WEIGHTS),
+    # planned with items of at least two high pages (min_item_units).
+    from diffkv_jax.diffkv_kernel_attention import min_item_units
+
+    weights = (8, 15)
+    assert min_item_units(weights) == 16 and min_item_units(()) == 2
+    check_kernel("k8v4+k4v2 wide", 128, 4, 2, interpret=True, dot_dtype="float32", tol=1e-4,
+                 pad=8, page_lanes=2, work_items=work_items, seed=work_items,
+                 rows_in_kernel=True, transposed=True, tier_weights=weights,
+                 min_pages=min_item_units(weights))
+
+
+def test_min_item_units_give_every_full_item_a_page():
+    # Short rows in units of eighths of a high page: an item as long as the plan's least
+    # units holds the first unit of some page (a page is its item's that holds its first
+    # unit), so only a row's shorter last item can be left without one; with items of
+    # two units, as the plan's default, most items would hold no page.
+    from diffkv_jax.diffkv_kernel_attention import min_item_units
+
+    weights = (8, 15)
+    least = min_item_units(weights)
+    assert least == 16 and min_item_units((1, 2)) == 2 and min_item_units((1, 3)) == 3
+    rng = np.random.default_rng(3)
+    hi, lo = rng.integers(0, 4, size=(2, 6, 4))
+    units = jnp.asarray(hi * weights[0] + lo * weights[1], jnp.int32)
+
+    def items_without_a_page(min_pages):
+        work = pdk.plan_work(units, 200, min_pages=min_pages, wave=190)
+        items, used = np.asarray(work.items), np.asarray(work.seg) < work.num_rows
+        empty = []
+        for s, h, b, e in items[used]:
+            starts = [8 * p for p in range(hi[s, h])] + [8 * hi[s, h] + 15 * p
+                                                         for p in range(lo[s, h])]
+            if not any(b <= u < e for u in starts):
+                empty.append(e - b)
+        return empty
+
+    assert all(span < least for span in items_without_a_page(least))
+    assert len(items_without_a_page(2)) > len(items_without_a_page(least))
 
 
 def test_weighted_plan_balances_the_units():

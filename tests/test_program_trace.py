@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_decode as pdk
-from scripts.program_timeline import label, merge_excess, parse_settings, summarize
+from scripts.program_timeline import label, merge_excess, parse_settings, summarize, tail_split
 
 from tests.test_early_row_loads import launch_case
 from tests.test_paged_decode_kernel import lowering_tiers
@@ -183,19 +183,55 @@ def test_compiled_trace_on_gpu(merged):
     plain = pdk._decode_call(qp, tiers, 4, 8, cfg, work, False, merge)
     traced = pdk._decode_call(qp, tiers, 4, 8, dataclasses.replace(cfg, trace_programs=True),
                               work, False, merge)
-    for x, y in zip(plain, traced[:-1]):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Compared where the launch writes: the used items' partials, the merged rows that
+    # have items, each tier's logits below its token count (the rest is never stored).
+    plain, traced = [np.asarray(x) for x in plain], [np.asarray(x) for x in traced[:-1]]
+    assert len(plain) == len(traced)
+    has_items = np.bincount(np.asarray(work.seg)[used], minlength=work.num_rows) > 0
+    has_items = has_items.reshape(q.shape[:2])
+    n_merged = 4 if merged else 0
+    for x, y in zip(plain[:3], traced[:3]):
+        np.testing.assert_array_equal(x[used], y[used])
+    for x, y in zip(plain[3:3 + n_merged], traced[3:3 + n_merged]):
+        np.testing.assert_array_equal(x if x.ndim == 1 else x[has_items],
+                                      y if y.ndim == 1 else y[has_items])
+    logits = list(zip(plain[3 + n_merged:], traced[3 + n_merged:]))
+    assert len(logits) == len(tiers)
+    for (x, y), t in zip(logits, tiers):
+        valid = np.arange(x.shape[-1]) < np.asarray(t.n_tok)[..., None]  # [S, H, positions]
+        valid = np.broadcast_to(valid[:, :, None, :], x.shape)
+        assert valid.any()
+        np.testing.assert_array_equal(x[valid], y[valid])
 
 
 def test_settings_parse_and_refuse_unknown_ones():
+    rest = {"tail": 0, "low_weight": 0}
     assert parse_settings("m=last,el=1,wave=528;n=2112,st=2") == [
-        {"merge": "last", "early": 1, "wave": 528, "items": 0, "stages": 0, "warps": 0},
-        {"merge": "rows", "early": 0, "wave": -1, "items": 2112, "stages": 2, "warps": 0}]
-    assert [label(x) for x in parse_settings("m=rows;wave=0,el=1;nw=2")] == [
-        "m=rows,el=0", "m=rows,el=1,wave=off", "m=rows,el=0,nw=2"]
-    for bad in ("m=first", "el=2", "lanes=2", "wave=-3", "st=two"):
+        {"merge": "last", "early": 1, "wave": 528, "items": 0, "stages": 0, "warps": 0, **rest},
+        {"merge": "rows", "early": 0, "wave": -1, "items": 2112, "stages": 2, "warps": 0,
+         **rest}]
+    assert [label(x) for x in parse_settings("m=rows;wave=0,el=1;nw=2;tail=25,tw=15")] == [
+        "m=rows,el=0", "m=rows,el=1,wave=off", "m=rows,el=0,nw=2", "m=rows,el=0,tail=25,tw=15"]
+    for bad in ("m=first", "el=2", "lanes=2", "wave=-3", "st=two", "tw=1.5"):
         with pytest.raises(SystemExit, match="unknown setting"):
             parse_settings(bad)
+    for bad in ("m=last,tail=25", "tail=100"):  # the split fits a launch of partials only
+        with pytest.raises(SystemExit, match="needs m=rows"):
+            parse_settings(bad)
+
+
+def test_tail_split_runs_every_items_last_part_after_all_first_parts():
+    items = np.array([[0, 0, 0, 26], [0, 0, 26, 52], [0, 1, 0, 3], [0, 1, 3, 4], [0, 0, 0, 0]])
+    seg = np.array([0, 0, 1, 1, 2])
+    new, new_seg = tail_split(items, seg, 2, 25)
+    # 26 units: the last 6 apart; 3 units: none (a part of no units is left out)
+    assert new.tolist() == [[0, 0, 0, 20], [0, 0, 26, 46], [0, 1, 0, 3], [0, 1, 3, 4],
+                            [0, 0, 20, 26], [0, 0, 46, 52], [0, 0, 0, 0]]
+    assert new_seg.tolist() == [0, 0, 1, 1, 0, 0, 2]
+    # every row's units are covered once
+    for row in (0, 1):
+        spans = sorted(map(tuple, new[new_seg == row][:, 2:]))
+        assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off the GPU")
