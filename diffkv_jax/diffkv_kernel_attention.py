@@ -90,12 +90,12 @@ def tier_weights(tiers=(HI, LO)) -> tuple:
     return tuple(TIER_WEIGHTS[t] for t in tiers)
 
 
-def min_item_units(weights=()) -> int:
-    """Work units a planned item holds at least (``pdk.plan_work``'s ``min_pages``): two
-    pages of the launch's lightest tier and one of its heaviest (two pages where pages
-    count once), so that an item of that many units holds a page (a page is the item's
-    that holds its first unit) whatever the units per page."""
-    return max(2 * min(weights, default=1), max(weights, default=1))
+def min_item_units(weights=(), pages: int = 2) -> int:
+    """Work units a planned item holds at least (``pdk.plan_work``'s ``min_pages``):
+    ``pages`` pages of the launch's lightest tier and one of its heaviest (``pages``
+    pages where pages count once), so that an item of that many units holds a page (a
+    page is the item's that holds its first unit) whatever the units per page."""
+    return max(pages * min(weights, default=1), max(weights, default=1))
 
 
 def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,

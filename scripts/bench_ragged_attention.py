@@ -59,7 +59,8 @@ def main() -> int:
     p.add_argument("--splits", default="1,2,4,8")
     p.add_argument("--items", default="",
                    help="work-item counts to try besides the default (comma-separated)")
-    p.add_argument("--min-pages", type=int, default=2, help="pages per work item at least (of the lightest tier: the caches' plan)")
+    p.add_argument("--min-pages", type=int, default=2,
+                   help="pages of the lightest tier per work item at least (min_item_units)")
     p.add_argument("--variants", default="",
                    help="work-launch settings to try besides the caches' (see above)")
     p.add_argument("--no-logits", action="store_true",
@@ -78,7 +79,8 @@ def main() -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from diffkv_jax.diffkv_kernel_attention import _launch, plan_wave, tier_weights, work_items
+    from diffkv_jax.diffkv_kernel_attention import (_launch, min_item_units, plan_wave, tier_weights,
+                                                    work_items)
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import time_launch_ms
@@ -187,8 +189,7 @@ def main() -> int:
             for name, lcfg, n_items, plan, merge in launches:
 
                 def planned(tiers, act, cfg=lcfg, n_items=n_items, plan=plan):
-                    # min_pages counts pages of the lightest tier, the plan its units
-                    units = plan["min_pages"] * min(cfg.tier_weights, default=1)
+                    units = min_item_units(cfg.tier_weights, plan["min_pages"])
                     return pdk.plan_work(pdk.row_pages(tiers, act, cfg.tier_weights), n_items,
                                          **dict(plan, min_pages=units))
 

@@ -241,7 +241,10 @@ def main() -> int:
     results = []
     for setting in settings:
         weights = base_weights
-        if setting["low_weight"] and len(weights) == 2:  # the high tier's pages count 8
+        if setting["low_weight"]:  # the high tier's pages count 8
+            if len(weights) != 2:
+                raise SystemExit(f"--settings: tw= weighs the low tier's pages; "
+                                 f"{args.variant} has one tier")
             weights = (8, setting["low_weight"])
         cfg = _launch(emit_logits=mix.startswith("diffkv"),
                       head_dim=0 if mix == "bf16" else D, transposed=transposed,

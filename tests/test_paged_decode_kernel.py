@@ -389,8 +389,8 @@ def test_weighted_work_units_match_reference(weights, work_items):
 
 @pytest.mark.parametrize("work_items", [16, 64])
 def test_eighths_work_units_match_reference(work_items):
-    # The caches' weights in eighths of a high page (diffkv_kernel_attention.TIER_WEIGHTS),
-    # planned with items of at least two high pages (min_item_units).
+    # Weights in eighths of a high page (the 8 : 15 the program traces tried), planned
+    # with items of at least two high pages (min_item_units).
     from diffkv_jax.diffkv_kernel_attention import min_item_units
 
     weights = (8, 15)
@@ -411,6 +411,7 @@ def test_min_item_units_give_every_full_item_a_page():
     weights = (8, 15)
     least = min_item_units(weights)
     assert least == 16 and min_item_units((1, 2)) == 2 and min_item_units((1, 3)) == 3
+    assert min_item_units(weights, pages=4) == 32 and min_item_units((), pages=4) == 4
     rng = np.random.default_rng(3)
     hi, lo = rng.integers(0, 4, size=(2, 6, 4))
     units = jnp.asarray(hi * weights[0] + lo * weights[1], jnp.int32)
