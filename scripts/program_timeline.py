@@ -160,28 +160,72 @@ def tail_split(items, seg, num_rows: int, percent: int):
     return new_items.astype(np.int32), new_seg.astype(np.int32)
 
 
+#: ``ord=`` settings: the order the launch runs a work list's used items in.
+ORDERS = ("row", "index", "mixed")
+
+
+def reorder_items(items, seg, num_rows: int, order: str, high_units):
+    """A work list's used items in another order, the unused ones after them
+    (``(items, seg)``, numpy). The GPU starts programs in order and places program
+    ``i`` on multiprocessor ``i mod SMs``, so with rows of four items and 132
+    multiprocessors each multiprocessor gets items of one kind (3.0.0i):
+
+    * ``row``: as planned (every row's items together);
+    * ``index``: every row's first item, then every row's second, ... (each
+      multiprocessor then gets items from several places in their rows);
+    * ``mixed``: items holding both tiers first, then those of high pages only,
+      then those of low pages only (the kinds that took longest first), each kind
+      in row order.
+
+    ``high_units [num_rows]``: the high tier's units of each row (the items' units
+    below it are high pages). A launch of partials only (``m=rows``): the row
+    merge after it needs a row's items together."""
+    items, seg = np.asarray(items), np.asarray(seg)
+    used = np.flatnonzero(seg < num_rows)
+    if order == "row":
+        key = np.zeros(len(used))
+    elif order == "index":
+        rows = seg[used]  # a row's items are together: index = position - row's first
+        first = np.searchsorted(rows, rows) if (np.diff(rows) >= 0).all() else None
+        if first is None:
+            raise ValueError("ord=index needs the planned order (rows in order)")
+        key = np.arange(len(used)) - first
+    elif order == "mixed":
+        hi = np.asarray(high_units)[seg[used]]
+        begin, end = items[used, 2], items[used, 3]
+        key = np.where((begin < hi) & (end > hi), 0, np.where(end <= hi, 1, 2))
+    else:
+        raise ValueError(f"unknown order {order!r}; one of {ORDERS}")
+    new = np.concatenate([used[np.argsort(key, kind="stable")],
+                          np.flatnonzero(seg >= num_rows)])
+    return items[new].astype(np.int32), seg[new].astype(np.int32)
+
+
 def parse_settings(text: str) -> list[dict]:
     """``"m=rows,el=0;m=last,wave=528"`` -> one dict per launch setting: ``merge``
     ("rows" or "last"), ``early`` (0 or 1), ``wave`` (-1: the caches' plan_wave(),
     0: off), ``items`` (0: the caches' count), ``stages`` / ``warps`` (0: the
     caches')."""
     keys = {"m": "merge", "el": "early", "wave": "wave", "n": "items", "st": "stages",
-            "nw": "warps", "tail": "tail", "tw": "low_weight"}
+            "nw": "warps", "tail": "tail", "tw": "low_weight", "ord": "order"}
+    words = {"m": ("rows", "last"), "el": ("0", "1"), "ord": ORDERS}
     out = []
     for part in text.split(";"):
         setting = {"merge": "rows", "early": 0, "wave": -1, "items": 0, "stages": 0,
-                   "warps": 0, "tail": 0, "low_weight": 0}
+                   "warps": 0, "tail": 0, "low_weight": 0, "order": "row"}
         for item in filter(None, part.split(",")):
             k, _, val = item.partition("=")
-            if k not in keys or (k == "m" and val not in ("rows", "last")) or \
-                    (k == "el" and val not in ("0", "1")) or \
-                    (k not in ("m", "el") and not val.isdigit()):
+            if k not in keys or (val not in words[k] if k in words else not val.isdigit()):
                 raise SystemExit(f"--settings: unknown setting {item!r} (m=rows|last, "
-                                 "el=0|1, wave=N, n=N, st=N, nw=N, tail=P, tw=N)")
-            setting[keys[k]] = val if k == "m" else int(val)
+                                 "el=0|1, wave=N, n=N, st=N, nw=N, tail=P, tw=N, "
+                                 "ord=row|index|mixed)")
+            setting[keys[k]] = val if k in ("m", "ord") else int(val)
         if setting["tail"] and (setting["merge"] != "rows" or setting["tail"] >= 100):
             raise SystemExit(f"--settings: tail={setting['tail']} needs m=rows and a "
                              "percentage under 100")
+        if setting["order"] != "row" and (setting["merge"] != "rows" or setting["tail"]):
+            raise SystemExit(f"--settings: ord={setting['order']} needs m=rows (and no "
+                             "tail=)")
         out.append(setting)
     return out
 
@@ -193,6 +237,8 @@ def label(setting: dict) -> str:
     rest = "".join(f",{k}={setting[name]}" for k, name in
                    (("n", "items"), ("st", "stages"), ("nw", "warps"), ("tail", "tail"),
                     ("tw", "low_weight")) if setting[name])
+    if setting["order"] != "row":
+        rest += f",ord={setting['order']}"
     return f"m={setting['merge']},el={setting['early']}{wave}{rest}"
 
 
@@ -211,7 +257,10 @@ def main() -> int:
                         "merges its own rows), el=0|1 (LaunchConfig.early_row_loads), wave=N "
                         "(items planned to run at once; 0: off; default the caches' "
                         "plan_wave()), n=N (work items; default the caches' count), st=N / "
-                        "nw=N (pipeline stages / warps; default the caches')")
+                        "nw=N (pipeline stages / warps; default the caches'), tail=P (every "
+                        "item's last P%% as a second item, m=rows), tw=N (low pages N units, "
+                        "high 8), ord=row|index|mixed (the order the items run in, m=rows: "
+                        "reorder_items)")
     p.add_argument("--repeats", type=int, default=5, help="traced launches after a warm-up")
     p.add_argument("--json", default="results/program_timeline.json")
     args = p.parse_args()
@@ -258,6 +307,10 @@ def main() -> int:
         if setting["tail"]:
             split = tail_split(work.items, work.seg, work.num_rows, setting["tail"])
             work = pdk.WorkList(jnp.asarray(split[0]), jnp.asarray(split[1]), work.num_rows)
+        if setting["order"] != "row":
+            high = pdk.row_pages(tiers[:1], weights=weights[:1]).reshape(-1)
+            new = reorder_items(work.items, work.seg, work.num_rows, setting["order"], high)
+            work = pdk.WorkList(jnp.asarray(new[0]), jnp.asarray(new[1]), work.num_rows)
         merged = setting["merge"] == "last"
         traced = jax.jit(lambda q, tiers, work, cfg=cfg, merged=merged: pdk.program_trace(
             q, tiers, work=work, group=G, cfg=cfg, padded_rows=pdk.tile_rows(G, transposed),

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_decode as pdk
-from scripts.program_timeline import label, merge_excess, parse_settings, summarize, tail_split
+from scripts.program_timeline import (label, merge_excess, parse_settings, reorder_items,
+                                      summarize, tail_split)
 
 from tests.test_early_row_loads import launch_case
 from tests.test_paged_decode_kernel import lowering_tiers
@@ -205,19 +206,42 @@ def test_compiled_trace_on_gpu(merged):
 
 
 def test_settings_parse_and_refuse_unknown_ones():
-    rest = {"tail": 0, "low_weight": 0}
+    rest = {"tail": 0, "low_weight": 0, "order": "row"}
     assert parse_settings("m=last,el=1,wave=528;n=2112,st=2") == [
         {"merge": "last", "early": 1, "wave": 528, "items": 0, "stages": 0, "warps": 0, **rest},
         {"merge": "rows", "early": 0, "wave": -1, "items": 2112, "stages": 2, "warps": 0,
          **rest}]
-    assert [label(x) for x in parse_settings("m=rows;wave=0,el=1;nw=2;tail=25,tw=15")] == [
-        "m=rows,el=0", "m=rows,el=1,wave=off", "m=rows,el=0,nw=2", "m=rows,el=0,tail=25,tw=15"]
-    for bad in ("m=first", "el=2", "lanes=2", "wave=-3", "st=two", "tw=1.5"):
+    assert [label(x) for x in parse_settings(
+        "m=rows;wave=0,el=1;nw=2;tail=25,tw=15;ord=mixed,tw=15;ord=row")] == [
+        "m=rows,el=0", "m=rows,el=1,wave=off", "m=rows,el=0,nw=2", "m=rows,el=0,tail=25,tw=15",
+        "m=rows,el=0,tw=15,ord=mixed", "m=rows,el=0"]
+    for bad in ("m=first", "el=2", "lanes=2", "wave=-3", "st=two", "tw=1.5", "ord=random"):
         with pytest.raises(SystemExit, match="unknown setting"):
             parse_settings(bad)
-    for bad in ("m=last,tail=25", "tail=100"):  # the split fits a launch of partials only
-        with pytest.raises(SystemExit, match="needs m=rows"):
+    for bad in ("m=last,tail=25", "tail=100", "m=last,ord=index", "ord=index,tail=25"):
+        with pytest.raises(SystemExit, match="needs m=rows"):  # a launch of partials only
             parse_settings(bad)
+
+
+def test_reorder_items_by_index_in_row_and_by_kind():
+    # two rows of 3 items: row 0 has 30 high units (items 0-26 high, 26-52 both, 52-60
+    # low), row 1 has 0 (all low); an unused item last
+    items = np.array([[0, 0, 0, 26], [0, 0, 26, 52], [0, 0, 52, 60],
+                      [0, 1, 0, 20], [0, 1, 20, 40], [0, 1, 40, 45], [0, 0, 0, 0]])
+    seg = np.array([0, 0, 0, 1, 1, 1, 2])
+    high = np.array([30, 0])
+    same = reorder_items(items, seg, 2, "row", high)
+    assert same[0].tolist() == items.tolist() and same[1].tolist() == seg.tolist()
+    by_index, s_index = reorder_items(items, seg, 2, "index", high)
+    assert by_index[:, 2].tolist() == [0, 0, 26, 20, 52, 40, 0]
+    assert s_index.tolist() == [0, 1, 0, 1, 0, 1, 2]
+    by_kind, s_kind = reorder_items(items, seg, 2, "mixed", high)
+    # both tiers (row 0's second), high only (row 0's first), then low only in row order
+    assert by_kind[:, 2].tolist() == [26, 0, 52, 0, 20, 40, 0]
+    assert s_kind.tolist() == [0, 0, 0, 1, 1, 1, 2]
+    for new, new_seg in (same, (by_index, s_index), (by_kind, s_kind)):  # the same items
+        assert sorted(map(tuple, new.tolist())) == sorted(map(tuple, items.tolist()))
+        assert new_seg[-1] == 2
 
 
 def test_tail_split_runs_every_items_last_part_after_all_first_parts():
