@@ -186,10 +186,9 @@ def reorder_items(items, seg, num_rows: int, order: str, high_units):
         key = np.zeros(len(used))
     elif order == "index":
         rows = seg[used]  # a row's items are together: index = position - row's first
-        first = np.searchsorted(rows, rows) if (np.diff(rows) >= 0).all() else None
-        if first is None:
+        if (np.diff(rows) < 0).any():
             raise ValueError("ord=index needs the planned order (rows in order)")
-        key = np.arange(len(used)) - first
+        key = np.arange(len(used)) - np.searchsorted(rows, rows)
     elif order == "mixed":
         hi = np.asarray(high_units)[seg[used]]
         begin, end = items[used, 2], items[used, 3]
@@ -205,7 +204,8 @@ def parse_settings(text: str) -> list[dict]:
     """``"m=rows,el=0;m=last,wave=528"`` -> one dict per launch setting: ``merge``
     ("rows" or "last"), ``early`` (0 or 1), ``wave`` (-1: the caches' plan_wave(),
     0: off), ``items`` (0: the caches' count), ``stages`` / ``warps`` (0: the
-    caches')."""
+    caches'), ``tail`` (0: no split, :func:`tail_split`), ``low_weight`` (0: the
+    caches' weights), ``order`` ("row": as planned, :func:`reorder_items`)."""
     keys = {"m": "merge", "el": "early", "wave": "wave", "n": "items", "st": "stages",
             "nw": "warps", "tail": "tail", "tw": "low_weight", "ord": "order"}
     words = {"m": ("rows", "last"), "el": ("0", "1"), "ord": ORDERS}
