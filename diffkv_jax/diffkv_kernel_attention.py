@@ -85,6 +85,13 @@ def page_lanes(head_dim: int) -> int:
 TIER_WEIGHTS = {HI: 1, LO: 2}
 
 
+#: Share of an item within which the plan moves a row's cut onto its tier boundary
+#: (``pdk.plan_work(snap=)``; 0: off): under weights whose units do not split a row
+#: at its boundary, the item across it walks a few pages of one tier and pays its
+#: second loop's start for them.
+TIER_SNAP = 0.0
+
+
 def tier_weights(tiers=(HI, LO)) -> tuple:
     """:data:`TIER_WEIGHTS` of a launch's ``tiers`` in their order."""
     return tuple(TIER_WEIGHTS[t] for t in tiers)
@@ -193,14 +200,19 @@ def plan_decode_work(method, state, active) -> pdk.WorkList:
     pages = sum((n_tok[..., t] + method.cap(t) - 1) // method.cap(t) * TIER_WEIGHTS[t]
                 for t in tiers)
     pages = jnp.where(active[:, None, None], pages, 0).transpose(1, 0, 2)  # [L, S, H]
+    # where each row's low pages start, in units
+    bounds = ((n_tok[..., HI] + method.cap(HI) - 1) // method.cap(HI)
+              * TIER_WEIGHTS[HI]).transpose(1, 0, 2)
     N = work_items(S, H)
+    weights = tier_weights(tiers)
+    snap = TIER_SNAP if len(tiers) > 1 else 0.0
 
-    def plan(p):
-        w = pdk.plan_work(p, N, min_pages=min_item_units(tier_weights(tiers)),
-                          wave=plan_wave())
+    def plan(p, b):
+        w = pdk.plan_work(p, N, min_pages=min_item_units(weights), wave=plan_wave(),
+                          bounds=b, snap=snap, max_weight=max(weights))
         return w.items, w.seg, w.ranges
 
-    items, seg, ranges = jax.vmap(plan)(pages)
+    items, seg, ranges = jax.vmap(plan)(pages, bounds)
     return pdk.WorkList(items, seg, S * H, ranges)
 
 

@@ -771,8 +771,17 @@ def row_pages(tiers: Sequence[TierInput], active=None, weights: Sequence[int] = 
     return total if active is None else jnp.where(active[:, None], total, 0)
 
 
+def tier_bounds(tiers: Sequence[TierInput], weights: Sequence[int] = ()):
+    """Work units of each row's first tier ``[S, H]``: where its second tier's pages
+    start in the units :func:`row_pages` counts (``plan_work(bounds=)``)."""
+    w = tuple(weights)[:1] or (1,)
+    t = tiers[0]
+    return (t.n_tok.astype(jnp.int32) + t.fmt.slots - 1) // t.fmt.slots * w[0]
+
+
 def plan_work(pages, num_items: int, *, min_pages: int = 2,
-              wave: int | None = None) -> WorkList:
+              wave: int | None = None, bounds=None, snap: float = 0.0,
+              max_weight: int = 1) -> WorkList:
     """Balanced work items over the rows' pages ``[S, H]`` (:func:`row_pages`), on the
     device.
 
@@ -786,6 +795,15 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2,
     whose items number at most ``wave`` (:func:`smallest_fitting_count`), so equal
     rows fill one wave exactly instead of leaving a partial second wave; where the
     active rows alone outnumber ``wave``, the rule above.
+
+    ``bounds [S, H]`` (:func:`tier_bounds`) and ``snap``: a row's cut that lies
+    within ``snap * C`` units of the row's tier boundary moves onto it, so that
+    no item walks the last few pages of one tier and the first of the next (an
+    item holding both tiers pays its second loop's start for them), and the
+    row's items on each side of it share their tier's units evenly: at most
+    ``C + snap * C / i`` units each, ``i`` the items on that side, and at least
+    ``max_weight`` (the heaviest tier's units per page: each still holds a page;
+    the cut stays where that would fail).
     """
     S, H = pages.shape
     if num_items <= S * H:
@@ -806,8 +824,25 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2,
     seg = jnp.sum((ends[None, :] <= w[:, None]).astype(jnp.int32), axis=1)
     used = seg < S * H
     row = jnp.minimum(seg, S * H - 1)
-    begin = (w - (ends[row] - count[row])) * per_item
+    k = w - (ends[row] - count[row])  # the item's place in its row
+    begin = k * per_item
     end = jnp.minimum(begin + per_item, flat[row])
+    if bounds is not None and snap > 0:
+        # The row's cut nearest its boundary (cut j starts the row's item j).
+        # The row's cut nearest its boundary (cut j starts the row's item j) moves
+        # onto it, and the items on each side share their tier's units evenly.
+        b, n, u = bounds.reshape(-1).astype(jnp.int32)[row], count[row], flat[row]
+        tol = (per_item * snap).astype(jnp.int32)
+        j = (b + per_item // 2) // per_item
+        jj, rest = jnp.maximum(j, 1), jnp.maximum(n - j, 1)
+        moves = ((j >= 1) & (j < n) & (jnp.abs(j * per_item - b) <= tol)
+                 & (b // jj >= max_weight) & ((u - b) // rest >= max_weight))
+
+        def cut(i):  # where the row's item i begins once moved (cut(n) = u)
+            return jnp.where(i <= j, i * b // jj, b + (i - j) * (u - b) // rest)
+
+        begin = jnp.where(moves, cut(k), begin)
+        end = jnp.where(moves, cut(k + 1), end)
     items = jnp.stack([row // H, row % H, jnp.where(used, begin, 0), jnp.where(used, end, 0)],
                       axis=-1).astype(jnp.int32)
     ranges = jnp.stack([ends - count, count], axis=-1).astype(jnp.int32)

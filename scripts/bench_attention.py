@@ -48,7 +48,8 @@ items planned to run at once (``plan_work(wave=)``, 0: off), ``st`` / ``nw`` its
 pipeline stages and warps, ``lg`` the bits of the stored logits
 (``LaunchConfig.logits_dtype``, 16 or 32), ``m`` the merge (as ``--merge``), ``el=1``
 the rows' token counts and first table entries loaded before the first loop
-(``LaunchConfig.early_row_loads``); labelled
+(``LaunchConfig.early_row_loads``), ``sn`` the share of an item within which the
+plan moves a row's cut onto its tier boundary (``plan_work(snap=)``); labelled
 ``<variant>/tokens[setting]``.
 
     python scripts/bench_attention.py                     # the full grid
@@ -102,8 +103,8 @@ def main() -> int:
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
-    from diffkv_jax.diffkv_kernel_attention import (HI, LO, _launch, min_item_units, plan_wave,
-                                                    tier_weights, work_items)
+    from diffkv_jax.diffkv_kernel_attention import (HI, LO, TIER_SNAP, _launch, min_item_units,
+                                                    plan_wave, tier_weights, work_items)
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import (SHAPES, case_reference, chained_call, copy_bandwidth,
@@ -149,9 +150,11 @@ def main() -> int:
                 out["merge"] = val
             elif k == "el" and val in ("0", "1"):
                 out["early_row_loads"] = val == "1"
+            elif k == "sn" and 0 <= float(val) < 0.5:
+                out["snap"] = float(val)
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
-                                 "lg=16|32, m=rows|segments|last, el=0|1)")
+                                 "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5))")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -192,9 +195,13 @@ def main() -> int:
         n_items = tune.get("items") or work_items(S, H)
         wave = tune.get("wave", plan_wave())
 
+        snap = tune.get("snap", TIER_SNAP) if n_tiers > 1 else 0.0
+
         def plan(tiers):
             return pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items,
-                                 min_pages=min_item_units(weights), wave=wave)
+                                 min_pages=min_item_units(weights), wave=wave,
+                                 bounds=pdk.tier_bounds(tiers, weights), snap=snap,
+                                 max_weight=max(weights))
 
         merge_kind = tune.get("merge", args.merge)
         threaded = merge_kind == "last"

@@ -14,7 +14,7 @@
 #   bash scripts/h200_figures.sh early-step   # DiffKV's decode step with them
 #   bash scripts/h200_figures.sh timeline     # when each program of a launch starts and ends
 #   bash scripts/h200_figures.sh timeline-shapes  # the same at 32 x 16K and 128 x 4K
-#   bash scripts/h200_figures.sh weights      # low pages weighed 15 / 8 and 14 / 8 of a high page, B = 32
+#   bash scripts/h200_figures.sh weights      # low pages weighed 15 / 8 of a high page (cuts on the tier boundary too), B = 32
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
 #   bash scripts/h200_figures.sh smollm2      # the embedded model's shapes, as the caches launch
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
@@ -114,11 +114,13 @@ case "${1:-}" in
     $T --context 16384 --settings "m=rows;m=last" --json "$OUT/timeline_mix_32x16k.json"
     $T --batch 128 --settings "m=rows;m=last" --json "$OUT/timeline_mix_128x4k.json" ;;
   weights|weights-b128)
-    # the tiers' work units per page (8 : 15, 8 : 14) against the caches' 1 : 2, chained
+    # the tiers' work units per page (8 : 15, also with cuts moved onto the tier
+    # boundary) against the caches' 1 : 2, chained
     B=32; [ "$1" = weights-b128 ] && B=128
     python scripts/bench_attention.py --models llama3-8b --batches $B --contexts 4096,16384 \
       --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
-      --tune "m=last;m=last,w=8-15;m=last,w=8-14" --json "$OUT/bench_attention_weights_b$B.json" ;;
+      --tune "m=last;m=last,w=8-15;m=last,w=8-15,sn=0.3" \
+      --json "$OUT/bench_attention_weights_b$B.json" ;;
   smollm2)
     # SmolLM2-135M's heads (9 q / 3 KV, d = 64) with the caches' launch: token tiles, the
     # one-wave plan, the merge in its own launch and inside the decode launch

@@ -205,20 +205,22 @@ def parse_settings(text: str) -> list[dict]:
     ("rows" or "last"), ``early`` (0 or 1), ``wave`` (-1: the caches' plan_wave(),
     0: off), ``items`` (0: the caches' count), ``stages`` / ``warps`` (0: the
     caches'), ``tail`` (0: no split, :func:`tail_split`), ``low_weight`` (0: the
-    caches' weights), ``order`` ("row": as planned, :func:`reorder_items`)."""
+    caches' weights), ``order`` ("row": as planned, :func:`reorder_items`), ``snap``
+    (percent of an item within which a row's cut moves onto its tier boundary,
+    ``plan_work(snap=)``; 0: off)."""
     keys = {"m": "merge", "el": "early", "wave": "wave", "n": "items", "st": "stages",
-            "nw": "warps", "tail": "tail", "tw": "low_weight", "ord": "order"}
+            "nw": "warps", "tail": "tail", "tw": "low_weight", "ord": "order", "sn": "snap"}
     words = {"m": ("rows", "last"), "el": ("0", "1"), "ord": ORDERS}
     out = []
     for part in text.split(";"):
         setting = {"merge": "rows", "early": 0, "wave": -1, "items": 0, "stages": 0,
-                   "warps": 0, "tail": 0, "low_weight": 0, "order": "row"}
+                   "warps": 0, "tail": 0, "low_weight": 0, "order": "row", "snap": 0}
         for item in filter(None, part.split(",")):
             k, _, val = item.partition("=")
             if k not in keys or (val not in words[k] if k in words else not val.isdigit()):
                 raise SystemExit(f"--settings: unknown setting {item!r} (m=rows|last, "
                                  "el=0|1, wave=N, n=N, st=N, nw=N, tail=P, tw=N, "
-                                 "ord=row|index|mixed)")
+                                 "ord=row|index|mixed, sn=P)")
             setting[keys[k]] = val if k in ("m", "ord") else int(val)
         if setting["tail"] and (setting["merge"] != "rows" or setting["tail"] >= 100):
             raise SystemExit(f"--settings: tail={setting['tail']} needs m=rows and a "
@@ -226,6 +228,8 @@ def parse_settings(text: str) -> list[dict]:
         if setting["order"] != "row" and (setting["merge"] != "rows" or setting["tail"]):
             raise SystemExit(f"--settings: ord={setting['order']} needs m=rows (and no "
                              "tail=)")
+        if setting["snap"] >= 50:
+            raise SystemExit(f"--settings: sn={setting['snap']} must be a percentage under 50")
         out.append(setting)
     return out
 
@@ -236,7 +240,7 @@ def label(setting: dict) -> str:
     wave = {-1: "", 0: ",wave=off"}.get(setting["wave"], f",wave={setting['wave']}")
     rest = "".join(f",{k}={setting[name]}" for k, name in
                    (("n", "items"), ("st", "stages"), ("nw", "warps"), ("tail", "tail"),
-                    ("tw", "low_weight")) if setting[name])
+                    ("tw", "low_weight"), ("sn", "snap")) if setting[name])
     if setting["order"] != "row":
         rest += f",ord={setting['order']}"
     return f"m={setting['merge']},el={setting['early']}{wave}{rest}"
@@ -260,7 +264,8 @@ def main() -> int:
                         "nw=N (pipeline stages / warps; default the caches'), tail=P (every "
                         "item's last P%% as a second item, m=rows), tw=N (low pages N units, "
                         "high 8), ord=row|index|mixed (the order the items run in, m=rows: "
-                        "reorder_items)")
+                        "reorder_items), sn=P (a row's cut within P%% of an item of its tier "
+                        "boundary moves onto it)")
     p.add_argument("--repeats", type=int, default=5, help="traced launches after a warm-up")
     p.add_argument("--json", default="results/program_timeline.json")
     args = p.parse_args()
@@ -303,7 +308,10 @@ def main() -> int:
         wave = plan_wave() if setting["wave"] < 0 else (setting["wave"] or None)
         n_items = setting["items"] or work_items(S, H)
         work = pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items,
-                             min_pages=min_item_units(weights), wave=wave)
+                             min_pages=min_item_units(weights), wave=wave,
+                             bounds=pdk.tier_bounds(tiers, weights),
+                             snap=setting["snap"] / 100 if len(tiers) > 1 else 0.0,
+                             max_weight=max(weights))
         if setting["tail"]:
             split = tail_split(work.items, work.seg, work.num_rows, setting["tail"])
             work = pdk.WorkList(jnp.asarray(split[0]), jnp.asarray(split[1]), work.num_rows)

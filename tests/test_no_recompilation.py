@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.generation import Generator, SamplingParams
@@ -101,10 +102,14 @@ def test_kernel_decode_compiles_one_width_bucket(tiny_model):
         assert all(w & (w - 1) == 0 or w == ref.row_len for w in widths)
 
 
-def test_kernel_work_lists_cover_the_active_rows_of_every_layer(tiny_model):
+@pytest.mark.parametrize("weights,snap", [(None, None), ((8, 15), 0.3)])
+def test_kernel_work_lists_cover_the_active_rows_of_every_layer(tiny_model, monkeypatch,
+                                                                weights, snap):
     """The Pallas path sizes its attention launches on the device (no shape bucket
     for the number of active rows): every layer's work items cover exactly the
-    pages of the active rows, and a few long rows split into many items."""
+    work units of the active rows' pages, and a few long rows split into many
+    items; also with other tier weights and cuts moved onto the tier boundaries."""
+    from diffkv_jax import diffkv_kernel_attention as dka
     from diffkv_jax.diffkv_kernel_attention import plan_decode_work
     from diffkv_jax.methods import make_method
     from diffkv_jax.steps import CompiledSteps
@@ -123,6 +128,10 @@ def test_kernel_work_lists_cover_the_active_rows_of_every_layer(tiny_model):
                                                          jnp.asarray(slots)))
     active = np.zeros(S, bool)
     active[slots[:2]] = True  # slot 11 holds tokens but does not decode
+    if weights is not None:
+        monkeypatch.setattr(dka, "TIER_WEIGHTS", dict(zip((dka.HI, dka.LO), weights)))
+        monkeypatch.setattr(dka, "TIER_SNAP", snap)
+    w = [dka.TIER_WEIGHTS[t] for t in (dka.HI, dka.LO)]
     work = plan_decode_work(m, state, jnp.asarray(active))
     items, seg = np.asarray(work.items), np.asarray(work.seg)
     n_tok = np.asarray(state.n_tok)
@@ -133,10 +142,12 @@ def test_kernel_work_lists_cover_the_active_rows_of_every_layer(tiny_model):
             for h in range(H):
                 pages = 0
                 if active[s]:
-                    pages = sum(-(-n_tok[s, layer, h, t] // m.cap(t)) for t in (0, 1))
+                    pages = sum(-(-n_tok[s, layer, h, t] // m.cap(t)) * w[t]
+                                for t in (0, 1))
                 mine = items[layer][seg[layer] == s * H + h]
                 covered = np.zeros(pages, int)
                 for _, _, b, e in mine:
+                    assert e <= pages
                     covered[b:e] += 1
                 assert np.all(covered == 1) and (len(mine) > 0) == (pages > 0)
                 if active[s] and s == slots[0]:

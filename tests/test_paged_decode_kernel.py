@@ -61,14 +61,15 @@ TIER_SETS = {
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
                  seed=0, work_items=None, sub_slots=0, page_lanes=1, rows_in_kernel=False,
                  transposed=False, tier_weights=(), lane_slots=32, logits_dtype=None,
-                 min_pages=2):
+                 min_pages=2, snap=0.0):
     """``logits_dtype``: the stored logits' type (None: that of the dots, so the
     float32 checks compare float32 logits). ``work_items``: launch over
     :func:`pdk.plan_work` items (rows 1 and 4 inactive) instead of ``splits`` even
     splits per row. ``rows_in_kernel``: q keeps its ``G``
     rows and the kernel pads them to ``pad`` itself (``padded_rows``).
     ``tier_weights``: work units per page of each tier, in the plan and the launch;
-    ``min_pages``: the plan's least units per item."""
+    ``min_pages``: the plan's least units per item; ``snap``: the plan's cuts moved
+    onto the rows' tier boundaries within that share of an item."""
     rng = np.random.default_rng(seed)
     S, H, P, NP = (3, 2, 24, 3) if work_items is None else (5, 2, 40, 5)
     tiers, refs = [], []
@@ -88,7 +89,9 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
     if work_items is not None:
         active[[1, 4]] = False
         work = pdk.plan_work(pdk.row_pages(tiers, jnp.asarray(active), tier_weights),
-                             work_items, min_pages=min_pages)
+                             work_items, min_pages=min_pages,
+                             bounds=pdk.tier_bounds(tiers, tier_weights), snap=snap,
+                             max_weight=max(tier_weights, default=1))
     o, m, l, logits = pdk.paged_decode_partials(qk, tiers, group=G, cfg=cfg, work=work,
                                                 interpret=interpret, padded_rows=padded_rows)
     assert o.shape[-2] == G and m.shape[-1] == G and l.shape[-1] == G
@@ -399,6 +402,80 @@ def test_eighths_work_units_match_reference(work_items):
                  pad=8, page_lanes=2, work_items=work_items, seed=work_items,
                  rows_in_kernel=True, transposed=True, tier_weights=weights,
                  min_pages=min_item_units(weights))
+
+
+@pytest.mark.parametrize("work_items", [16, 40])
+def test_snapped_plan_matches_reference(work_items):
+    # Cuts moved onto the tier boundaries (half an item away at most): each page still
+    # belongs to one item of its row, and the launch reads what the items name.
+    weights = (8, 15)
+    check_kernel("k8v4+k4v2 wide", 128, 4, 2, interpret=True, dot_dtype="float32", tol=1e-4,
+                 pad=8, page_lanes=2, work_items=work_items, seed=30 + work_items,
+                 rows_in_kernel=True, transposed=True, tier_weights=weights,
+                 min_pages=16, snap=0.45)
+
+
+def test_snap_moves_the_cut_nearest_the_tier_boundary():
+    # The 50/50 mix at 4K under weights 8 : 15: 64 high and 32 low pages, 992 units in
+    # four items of 248. The second cut (496) lies 16 units before the boundary (512);
+    # moved, each tier's two items share its units (32 high pages, 16 low pages each).
+    units, bound = jnp.asarray([[992, 992]]), jnp.asarray([[512, 500]])
+    cuts = lambda **kw: np.asarray(pdk.plan_work(units, 9, min_pages=16, wave=8, **kw)  # noqa: E731
+                                   .items)[:8, 2:]
+    assert cuts()[:4].tolist() == [[0, 248], [248, 496], [496, 744], [744, 992]]
+    snapped = cuts(bounds=bound, snap=0.1, max_weight=15)
+    assert snapped[:4].tolist() == [[0, 256], [256, 512], [512, 752], [752, 992]]
+    assert snapped[4:].tolist() == [[0, 250], [250, 500], [500, 746], [746, 992]]
+    # Too far for the tolerance (16 > 0.05 * 248): the cuts stay.
+    assert np.array_equal(cuts(bounds=bound, snap=0.05, max_weight=15)[:4], cuts()[:4])
+    # A boundary at a row's end or start moves nothing.
+    edge = cuts(bounds=jnp.asarray([[992, 0]]), snap=0.4, max_weight=15)
+    assert np.array_equal(edge, cuts())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_snapped_plan_covers_every_page_once(seed):
+    rng = np.random.default_rng(200 + seed)
+    S, H = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+    snap = [0.45, 0.1, 0.25][seed % 3]
+    hi, lo = rng.integers(0, 40, size=(2, S, H))
+    hi[rng.random((S, H)) < 0.2] = 0
+    units, bounds = hi * 8 + lo * 15, hi * 8
+    N = S * H + int(rng.integers(1, 60))
+    wave = None if seed % 2 else N - 1
+    plain = pdk.plan_work(jnp.asarray(units, jnp.int32), N, min_pages=16, wave=wave)
+    work = pdk.plan_work(jnp.asarray(units, jnp.int32), N, min_pages=16, wave=wave,
+                         bounds=jnp.asarray(bounds, jnp.int32), snap=snap, max_weight=15)
+    items, seg = np.asarray(work.items), np.asarray(work.seg)
+    assert np.array_equal(seg, np.asarray(plain.seg))
+    assert np.array_equal(np.asarray(work.ranges), np.asarray(plain.ranges))
+    before = np.asarray(plain.items)
+    C = int((before[:, 3] - before[:, 2]).max())
+    moved_rows = 0
+    for r in range(S * H):
+        mine, was = items[seg == r], before[seg == r]
+        b, u = int(bounds.reshape(-1)[r]), int(units.reshape(-1)[r])
+        covered = np.zeros(u, int)
+        for _, _, lo_, hi_ in mine:
+            covered[lo_:hi_] += 1
+        assert np.all(covered == 1)
+        if len(was) < 2:
+            continue
+        cuts = was[1:, 2]
+        j = int(np.argmin(np.abs(cuts - b)))
+        fits = abs(int(cuts[j]) - b) <= int(C * snap) and 0 < b < u
+        i, rest = j + 1, len(was) - j - 1
+        fits = fits and b // i >= 15 and (u - b) // rest >= 15
+        if fits:  # the cut on the boundary, each side's items within a unit of equal
+            moved_rows += 1
+            assert b in mine[:, 2]
+            size = mine[:, 3] - mine[:, 2]
+            assert np.ptp(size[:i]) <= 1 and np.ptp(size[i:]) <= 1 and size.min() >= 15
+            assert size.max() <= C + snap * C + 1
+        else:
+            assert np.array_equal(mine, was)
+    if snap == 0.45:
+        assert moved_rows > 0
 
 
 def test_min_item_units_give_every_full_item_a_page():

@@ -206,21 +206,24 @@ def test_compiled_trace_on_gpu(merged):
 
 
 def test_settings_parse_and_refuse_unknown_ones():
-    rest = {"tail": 0, "low_weight": 0, "order": "row"}
+    rest = {"tail": 0, "low_weight": 0, "order": "row", "snap": 0}
     assert parse_settings("m=last,el=1,wave=528;n=2112,st=2") == [
         {"merge": "last", "early": 1, "wave": 528, "items": 0, "stages": 0, "warps": 0, **rest},
         {"merge": "rows", "early": 0, "wave": -1, "items": 2112, "stages": 2, "warps": 0,
          **rest}]
     assert [label(x) for x in parse_settings(
-        "m=rows;wave=0,el=1;nw=2;tail=25,tw=15;ord=mixed,tw=15;ord=row")] == [
+        "m=rows;wave=0,el=1;nw=2;tail=25,tw=15;ord=mixed,tw=15;ord=row;m=last,tw=15,sn=10")] == [
         "m=rows,el=0", "m=rows,el=1,wave=off", "m=rows,el=0,nw=2", "m=rows,el=0,tail=25,tw=15",
-        "m=rows,el=0,tw=15,ord=mixed", "m=rows,el=0"]
-    for bad in ("m=first", "el=2", "lanes=2", "wave=-3", "st=two", "tw=1.5", "ord=random"):
+        "m=rows,el=0,tw=15,ord=mixed", "m=rows,el=0", "m=last,el=0,tw=15,sn=10"]
+    for bad in ("m=first", "el=2", "lanes=2", "wave=-3", "st=two", "tw=1.5", "ord=random",
+                "sn=0.1"):
         with pytest.raises(SystemExit, match="unknown setting"):
             parse_settings(bad)
     for bad in ("m=last,tail=25", "tail=100", "m=last,ord=index", "ord=index,tail=25"):
         with pytest.raises(SystemExit, match="needs m=rows"):  # a launch of partials only
             parse_settings(bad)
+    with pytest.raises(SystemExit, match="under 50"):
+        parse_settings("sn=50")
 
 
 def test_reorder_items_by_index_in_row_and_by_kind():
