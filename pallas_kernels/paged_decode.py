@@ -828,7 +828,6 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2,
     begin = k * per_item
     end = jnp.minimum(begin + per_item, flat[row])
     if bounds is not None and snap > 0:
-        # The row's cut nearest its boundary (cut j starts the row's item j).
         # The row's cut nearest its boundary (cut j starts the row's item j) moves
         # onto it, and the items on each side share their tier's units evenly.
         b, n, u = bounds.reshape(-1).astype(jnp.int32)[row], count[row], flat[row]

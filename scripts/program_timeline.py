@@ -24,6 +24,8 @@ each trace (:func:`summarize`):
   epilogue of the programs that merged a row less the others';
 * ``busy``: the programs' summed time over ``span`` x the most programs that ran
   at once (1: every slot busy from the first start to the last end);
+* ``early``, ``late``: the mean time of the programs placed in the first and the
+  second half of their multiprocessor's programs (in index order);
 * last, the programs running at each whole microsecond of the first launch of
   each setting (the ramp and the tail at a glance).
 
@@ -98,6 +100,12 @@ def summarize(trace, units, used) -> dict:
     if np.ptp(u) == 0:  # equal items: the split into fixed and per-unit is unknown
         fixed, per_unit = float("nan"), float("nan")
     ids, counts = np.unique(sm, return_counts=True)
+    # Each program's place among its multiprocessor's programs (the GPU places them
+    # in index order): the first half against the second half of its resident ones.
+    place = np.zeros(len(sm), int)
+    for i in ids:
+        place[sm == i] = np.arange(int(np.sum(sm == i)))
+    late = place >= int(counts.max()) // 2
     out = {
         "items": int(used.sum()),
         "multiprocessors": int(ids.size),
@@ -114,6 +122,8 @@ def summarize(trace, units, used) -> dict:
         "per_unit_us": float(per_unit),
         "busy": busy_ns / 1e3 / (span * at_once) if span > 0 else float("nan"),
         "clock_ghz": ghz,
+        "early_us": float(np.mean(d[~late])) if (~late).any() else float("nan"),
+        "late_us": float(np.mean(d[late])) if late.any() else float("nan"),
     }
     # Programs running at each whole microsecond of the span: the ramp and the tail.
     marks = np.arange(int(np.ceil(span)) + 1)
@@ -200,6 +210,43 @@ def reorder_items(items, seg, num_rows: int, order: str, high_units):
     return items[new].astype(np.int32), seg[new].astype(np.int32)
 
 
+def grade_items(items, seg, num_rows: int, percent: int):
+    """A work list whose rows' odd items (second, fourth, ...) hold ``percent``% fewer
+    units than their even ones, the even items first and the odd after them (the
+    unused last; ``(items, seg)``, numpy).
+
+    The GPU places program ``i`` on multiprocessor ``i mod SMs`` in index order, and
+    a one-warp program placed in the second half of a multiprocessor's resident
+    programs ran 8% longer on the H200 than one in the first half, at every shape
+    (3.0.0k: the multiprocessor's schedulers each hold one program of each half and
+    favour the older). Lighter items there let both halves end together. Each row's
+    units are cut in proportion (an even item 100, an odd one ``100 - percent``),
+    so every page is still in one item of its row. A launch of partials only
+    (``m=rows``): the row merge after it needs a row's items together."""
+    items, seg = np.asarray(items).copy(), np.asarray(seg)
+    used = np.flatnonzero(seg < num_rows)
+    rows = seg[used]
+    if (np.diff(rows) < 0).any():
+        raise ValueError("grading needs the planned order (rows in order)")
+    first = np.searchsorted(rows, rows)
+    k = np.arange(len(used)) - first  # the item's place in its row
+    odd = k % 2 == 1
+    share = np.where(odd, 100 - percent, 100).astype(np.int64)
+    done = np.cumsum(share) - share  # shares before the item, over all rows
+    row_done = done - done[first]  # ... within its row
+    total = np.zeros(num_rows, np.int64)
+    np.add.at(total, rows, share)
+    begin_row = items[used[first], 2].astype(np.int64)  # the row's first unit (0)
+    end_row = np.zeros(num_rows, np.int64)
+    np.maximum.at(end_row, rows, items[used, 3])
+    units = end_row[rows] - begin_row
+    b = begin_row + units * row_done // total[rows]
+    e = begin_row + units * (row_done + share) // total[rows]
+    items[used, 2], items[used, 3] = b, e
+    new = np.concatenate([used[~odd], used[odd], np.flatnonzero(seg >= num_rows)])
+    return items[new].astype(np.int32), seg[new].astype(np.int32)
+
+
 def parse_settings(text: str) -> list[dict]:
     """``"m=rows,el=0;m=last,wave=528"`` -> one dict per launch setting: ``merge``
     ("rows" or "last"), ``early`` (0 or 1), ``wave`` (-1: the caches' plan_wave(),
@@ -207,20 +254,23 @@ def parse_settings(text: str) -> list[dict]:
     caches'), ``tail`` (0: no split, :func:`tail_split`), ``low_weight`` (0: the
     caches' weights), ``order`` ("row": as planned, :func:`reorder_items`), ``snap``
     (percent of an item within which a row's cut moves onto its tier boundary,
-    ``plan_work(snap=)``; 0: off)."""
+    ``plan_work(snap=)``; 0: off), ``grade`` (percent fewer units of the rows' odd
+    items, run after the even ones: :func:`grade_items`; 0: off)."""
     keys = {"m": "merge", "el": "early", "wave": "wave", "n": "items", "st": "stages",
-            "nw": "warps", "tail": "tail", "tw": "low_weight", "ord": "order", "sn": "snap"}
+            "nw": "warps", "tail": "tail", "tw": "low_weight", "ord": "order", "sn": "snap",
+            "yg": "grade"}
     words = {"m": ("rows", "last"), "el": ("0", "1"), "ord": ORDERS}
     out = []
     for part in text.split(";"):
         setting = {"merge": "rows", "early": 0, "wave": -1, "items": 0, "stages": 0,
-                   "warps": 0, "tail": 0, "low_weight": 0, "order": "row", "snap": 0}
+                   "warps": 0, "tail": 0, "low_weight": 0, "order": "row", "snap": 0,
+                   "grade": 0}
         for item in filter(None, part.split(",")):
             k, _, val = item.partition("=")
             if k not in keys or (val not in words[k] if k in words else not val.isdigit()):
                 raise SystemExit(f"--settings: unknown setting {item!r} (m=rows|last, "
                                  "el=0|1, wave=N, n=N, st=N, nw=N, tail=P, tw=N, "
-                                 "ord=row|index|mixed, sn=P)")
+                                 "ord=row|index|mixed, sn=P, yg=P)")
             setting[keys[k]] = val if k in ("m", "ord") else int(val)
         if setting["tail"] and (setting["merge"] != "rows" or setting["tail"] >= 100):
             raise SystemExit(f"--settings: tail={setting['tail']} needs m=rows and a "
@@ -228,6 +278,10 @@ def parse_settings(text: str) -> list[dict]:
         if setting["order"] != "row" and (setting["merge"] != "rows" or setting["tail"]):
             raise SystemExit(f"--settings: ord={setting['order']} needs m=rows (and no "
                              "tail=)")
+        if setting["grade"] and (setting["merge"] != "rows" or setting["tail"]
+                                 or setting["order"] != "row" or setting["grade"] >= 50):
+            raise SystemExit(f"--settings: yg={setting['grade']} needs m=rows (no tail= or "
+                             "ord=) and a percentage under 50")
         if setting["snap"] >= 50:
             raise SystemExit(f"--settings: sn={setting['snap']} must be a percentage under 50")
         out.append(setting)
@@ -240,7 +294,8 @@ def label(setting: dict) -> str:
     wave = {-1: "", 0: ",wave=off"}.get(setting["wave"], f",wave={setting['wave']}")
     rest = "".join(f",{k}={setting[name]}" for k, name in
                    (("n", "items"), ("st", "stages"), ("nw", "warps"), ("tail", "tail"),
-                    ("tw", "low_weight"), ("sn", "snap")) if setting[name])
+                    ("tw", "low_weight"), ("sn", "snap"), ("yg", "grade"))
+                   if setting[name])
     if setting["order"] != "row":
         rest += f",ord={setting['order']}"
     return f"m={setting['merge']},el={setting['early']}{wave}{rest}"
@@ -265,7 +320,8 @@ def main() -> int:
                         "item's last P%% as a second item, m=rows), tw=N (low pages N units, "
                         "high 8), ord=row|index|mixed (the order the items run in, m=rows: "
                         "reorder_items), sn=P (a row's cut within P%% of an item of its tier "
-                        "boundary moves onto it)")
+                        "boundary moves onto it), yg=P (the rows' odd items P%% lighter, run "
+                        "after the even ones, m=rows: grade_items)")
     p.add_argument("--repeats", type=int, default=5, help="traced launches after a warm-up")
     p.add_argument("--json", default="results/program_timeline.json")
     args = p.parse_args()
@@ -319,6 +375,9 @@ def main() -> int:
             high = pdk.row_pages(tiers[:1], weights=weights[:1]).reshape(-1)
             new = reorder_items(work.items, work.seg, work.num_rows, setting["order"], high)
             work = pdk.WorkList(jnp.asarray(new[0]), jnp.asarray(new[1]), work.num_rows)
+        if setting["grade"]:
+            new = grade_items(work.items, work.seg, work.num_rows, setting["grade"])
+            work = pdk.WorkList(jnp.asarray(new[0]), jnp.asarray(new[1]), work.num_rows)
         merged = setting["merge"] == "last"
         traced = jax.jit(lambda q, tiers, work, cfg=cfg, merged=merged: pdk.program_trace(
             q, tiers, work=work, group=G, cfg=cfg, padded_rows=pdk.tile_rows(G, transposed),
@@ -347,7 +406,7 @@ def main() -> int:
     print(f"{'setting':{width}s} {'items':>5s} {'span':>7s} {'last st':>7s} {'1st end':>7s} "
           f"{'med end':>7s} {'tail':>6s} {'prolog':>6s} {'loops':>6s} {'epilog':>6s} "
           f"{'fixed':>6s} {'/unit':>6s} {'busy':>5s} {'at once':>7s} {'per SM':>7s} "
-          f"{'GHz':>5s} {'merge':>6s}")
+          f"{'GHz':>5s} {'early':>6s} {'late':>6s} {'merge':>6s}")
     for res in results:
         for r in res["runs"]:
             per_sm = f"{r['programs_per_sm']['min']}-{r['programs_per_sm']['max']}"
@@ -357,7 +416,7 @@ def main() -> int:
                   f"{r['median_end_us']:7.2f} {r['tail_us']:6.2f} {r['prologue_us']:6.2f} "
                   f"{r['loops_us']:6.2f} {r['epilogue_us']:6.2f} {r['fixed_us']:6.2f} "
                   f"{r['per_unit_us']:6.3f} {r['busy']:5.2f} {r['most_at_once']:7d} "
-                  f"{per_sm:>7s} {r['clock_ghz']:5.2f} "
+                  f"{per_sm:>7s} {r['clock_ghz']:5.2f} {r['early_us']:6.2f} {r['late_us']:6.2f} "
                   + ("" if merge is None else f"{merge:6.2f}"))
     print("programs running at each microsecond (each setting's first launch):")
     for res in results:

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import paged_decode as pdk
-from scripts.program_timeline import (label, merge_excess, parse_settings, reorder_items,
-                                      summarize, tail_split)
+from pallas_kernels.paged_decode import TRACE_COLUMNS
+from scripts.program_timeline import (grade_items, label, merge_excess, parse_settings,
+                                      reorder_items, summarize, tail_split)
 
 from tests.test_early_row_loads import launch_case
 from tests.test_paged_decode_kernel import lowering_tiers
@@ -206,15 +207,16 @@ def test_compiled_trace_on_gpu(merged):
 
 
 def test_settings_parse_and_refuse_unknown_ones():
-    rest = {"tail": 0, "low_weight": 0, "order": "row", "snap": 0}
+    rest = {"tail": 0, "low_weight": 0, "order": "row", "snap": 0, "grade": 0}
     assert parse_settings("m=last,el=1,wave=528;n=2112,st=2") == [
         {"merge": "last", "early": 1, "wave": 528, "items": 0, "stages": 0, "warps": 0, **rest},
         {"merge": "rows", "early": 0, "wave": -1, "items": 2112, "stages": 2, "warps": 0,
          **rest}]
     assert [label(x) for x in parse_settings(
-        "m=rows;wave=0,el=1;nw=2;tail=25,tw=15;ord=mixed,tw=15;ord=row;m=last,tw=15,sn=10")] == [
+        "m=rows;wave=0,el=1;nw=2;tail=25,tw=15;ord=mixed,tw=15;ord=row;m=last,tw=15,sn=10;yg=9,tw=15")] == [
         "m=rows,el=0", "m=rows,el=1,wave=off", "m=rows,el=0,nw=2", "m=rows,el=0,tail=25,tw=15",
-        "m=rows,el=0,tw=15,ord=mixed", "m=rows,el=0", "m=last,el=0,tw=15,sn=10"]
+        "m=rows,el=0,tw=15,ord=mixed", "m=rows,el=0", "m=last,el=0,tw=15,sn=10",
+        "m=rows,el=0,tw=15,yg=9"]
     for bad in ("m=first", "el=2", "lanes=2", "wave=-3", "st=two", "tw=1.5", "ord=random",
                 "sn=0.1"):
         with pytest.raises(SystemExit, match="unknown setting"):
@@ -224,6 +226,9 @@ def test_settings_parse_and_refuse_unknown_ones():
             parse_settings(bad)
     with pytest.raises(SystemExit, match="under 50"):
         parse_settings("sn=50")
+    for bad in ("m=last,yg=9", "yg=9,tail=25", "yg=9,ord=index", "yg=50"):
+        with pytest.raises(SystemExit, match="yg="):
+            parse_settings(bad)
 
 
 def test_reorder_items_by_index_in_row_and_by_kind():
@@ -271,3 +276,34 @@ def test_timeline_script_says_it_needs_a_gpu():
     proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "program_timeline.py")],
                           capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 2 and "needs a GPU" in proc.stderr
+
+
+def test_grade_items_lightens_the_odd_items_and_runs_them_last():
+    # two rows of 100 and 50 units in 3 / 2 items; an unused item last
+    items = np.array([[0, 0, 0, 34], [0, 0, 34, 68], [0, 0, 68, 100],
+                      [0, 1, 0, 25], [0, 1, 25, 50], [0, 0, 0, 0]])
+    seg = np.array([0, 0, 0, 1, 1, 2])
+    new, s = grade_items(items, seg, 2, 10)
+    # row 0: shares 100 / 90 / 100 of 290; row 1: 100 / 90 of 190; even items first
+    assert new.tolist() == [[0, 0, 0, 34], [0, 0, 65, 100], [0, 1, 0, 26],
+                            [0, 0, 34, 65], [0, 1, 26, 50], [0, 0, 0, 0]]
+    assert s.tolist() == [0, 0, 1, 0, 1, 2]
+    for row, units in ((0, 100), (1, 50)):  # every unit of a row in one item
+        covered = np.zeros(units, int)
+        for _, _, b, e in new[s == row]:
+            covered[b:e] += 1
+        assert np.all(covered == 1)
+    with pytest.raises(ValueError, match="planned order"):
+        grade_items(items[[3, 0, 1, 2, 4, 5]], seg[[3, 0, 1, 2, 4, 5]], 2, 10)
+
+
+def test_summary_splits_the_programs_by_their_place_on_the_multiprocessor():
+    # 4 programs on 2 multiprocessors (0, 1, 0, 1): the second on each took longer
+    trace = np.zeros((4, len(TRACE_COLUMNS)), np.int64)
+    col = {n: i for i, n in enumerate(TRACE_COLUMNS)}
+    trace[:, col["sm"]] = [0, 1, 0, 1]
+    trace[:, col["end_ns"]] = [10_000, 12_000, 20_000, 22_000]
+    for c in ("loop_cycles", "loop_end_cycles", "end_cycles"):
+        trace[:, col[c]] = trace[:, col["end_ns"]]
+    out = summarize(trace.astype(np.int32), np.array([1, 1, 2, 2]), np.ones(4, bool))
+    assert out["early_us"] == pytest.approx(11.0) and out["late_us"] == pytest.approx(21.0)
