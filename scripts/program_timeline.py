@@ -219,10 +219,11 @@ def grade_items(items, seg, num_rows: int, percent: int):
     a one-warp program placed in the second half of a multiprocessor's resident
     programs ran 8% longer on the H200 than one in the first half, at every shape
     (3.0.0k: the multiprocessor's schedulers each hold one program of each half and
-    favour the older). Lighter items there let both halves end together. Each row's
-    units are cut in proportion (an even item 100, an odd one ``100 - percent``),
-    so every page is still in one item of its row. A launch of partials only
-    (``m=rows``): the row merge after it needs a row's items together."""
+    favour the older). This tries lighter items there. Each row's units are cut in
+    proportion (an even item 100, an odd one ``100 - percent``), so every page is
+    still in one item of its row. On an H100 it did not pay (3.0.0k): the heavier
+    items took longer, and the lighter ones about as long as before. A launch of
+    partials only (``m=rows``): the row merge after it needs a row's items together."""
     items, seg = np.asarray(items).copy(), np.asarray(seg)
     used = np.flatnonzero(seg < num_rows)
     rows = seg[used]
