@@ -197,12 +197,10 @@ def plan_decode_work(method, state, active) -> pdk.WorkList:
     S, H = method.max_seqs, method.num_kv_heads
     n_tok = state.n_tok[:S].astype(jnp.int32)  # [S, L, H, 2]
     tiers = (HI, LO) if method.policy.low_tier else (HI,)
-    pages = sum((n_tok[..., t] + method.cap(t) - 1) // method.cap(t) * TIER_WEIGHTS[t]
-                for t in tiers)
-    pages = jnp.where(active[:, None, None], pages, 0).transpose(1, 0, 2)  # [L, S, H]
-    # where each row's low pages start, in units
-    bounds = ((n_tok[..., HI] + method.cap(HI) - 1) // method.cap(HI)
-              * TIER_WEIGHTS[HI]).transpose(1, 0, 2)
+    units = [(n_tok[..., t] + method.cap(t) - 1) // method.cap(t) * TIER_WEIGHTS[t]
+             for t in tiers]
+    pages = jnp.where(active[:, None, None], sum(units), 0).transpose(1, 0, 2)  # [L, S, H]
+    bounds = units[0].transpose(1, 0, 2)  # where each row's low pages start, in units
     N = work_items(S, H)
     weights = tier_weights(tiers)
     snap = TIER_SNAP if len(tiers) > 1 else 0.0

@@ -774,9 +774,7 @@ def row_pages(tiers: Sequence[TierInput], active=None, weights: Sequence[int] = 
 def tier_bounds(tiers: Sequence[TierInput], weights: Sequence[int] = ()):
     """Work units of each row's first tier ``[S, H]``: where its second tier's pages
     start in the units :func:`row_pages` counts (``plan_work(bounds=)``)."""
-    w = tuple(weights)[:1] or (1,)
-    t = tiers[0]
-    return (t.n_tok.astype(jnp.int32) + t.fmt.slots - 1) // t.fmt.slots * w[0]
+    return row_pages(tiers[:1], weights=tuple(weights)[:1])
 
 
 def plan_work(pages, num_items: int, *, min_pages: int = 2,

@@ -364,21 +364,22 @@ def main() -> int:
                                   num_warps=setting["warps"] or cfg.num_warps)
         wave = plan_wave() if setting["wave"] < 0 else (setting["wave"] or None)
         n_items = setting["items"] or work_items(S, H)
+        high = pdk.tier_bounds(tiers, weights)  # each row's high units
         work = pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items,
-                             min_pages=min_item_units(weights), wave=wave,
-                             bounds=pdk.tier_bounds(tiers, weights),
+                             min_pages=min_item_units(weights), wave=wave, bounds=high,
                              snap=setting["snap"] / 100 if len(tiers) > 1 else 0.0,
                              max_weight=max(weights))
+
+        def relisted(new, rows=work.num_rows):  # (items, seg) as numpy -> a work list
+            return pdk.WorkList(jnp.asarray(new[0]), jnp.asarray(new[1]), rows)
+
         if setting["tail"]:
-            split = tail_split(work.items, work.seg, work.num_rows, setting["tail"])
-            work = pdk.WorkList(jnp.asarray(split[0]), jnp.asarray(split[1]), work.num_rows)
+            work = relisted(tail_split(work.items, work.seg, work.num_rows, setting["tail"]))
         if setting["order"] != "row":
-            high = pdk.row_pages(tiers[:1], weights=weights[:1]).reshape(-1)
-            new = reorder_items(work.items, work.seg, work.num_rows, setting["order"], high)
-            work = pdk.WorkList(jnp.asarray(new[0]), jnp.asarray(new[1]), work.num_rows)
+            work = relisted(reorder_items(work.items, work.seg, work.num_rows,
+                                          setting["order"], high.reshape(-1)))
         if setting["grade"]:
-            new = grade_items(work.items, work.seg, work.num_rows, setting["grade"])
-            work = pdk.WorkList(jnp.asarray(new[0]), jnp.asarray(new[1]), work.num_rows)
+            work = relisted(grade_items(work.items, work.seg, work.num_rows, setting["grade"]))
         merged = setting["merge"] == "last"
         traced = jax.jit(lambda q, tiers, work, cfg=cfg, merged=merged: pdk.program_trace(
             q, tiers, work=work, group=G, cfg=cfg, padded_rows=pdk.tile_rows(G, transposed),
