@@ -105,6 +105,14 @@ def min_item_units(weights=(), pages: int = 2) -> int:
     return max(pages * min(weights, default=1), max(weights, default=1))
 
 
+#: The value codes' slices left at their bit offsets in the quantized launches
+#: (``LaunchConfig.values_in_place``: fewer instructions per token).
+VALUES_IN_PLACE = False
+#: K4V2's 64-slot pages walked a page per step, half a page per lane
+#: (``LaunchConfig.split_pages``).
+SPLIT_PAGES = False
+
+
 def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
             weights: tuple = (), logits_dtype: str = "float16",
             early_row_loads: bool = False) -> pdk.LaunchConfig:
@@ -118,7 +126,8 @@ def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
     return pdk.LaunchConfig(dot_dtype="float16" if gpu else "float32", emit_logits=emit_logits,
                             page_lanes=page_lanes(head_dim), transposed=transposed,
                             tier_weights=tuple(weights), logits_dtype=logits_dtype,
-                            early_row_loads=early_row_loads)
+                            early_row_loads=early_row_loads,
+                            values_in_place=VALUES_IN_PLACE, split_pages=SPLIT_PAGES)
 
 
 def _grouped_query(q, H: int):

@@ -11,6 +11,13 @@ permutes (``prmt``) that interleave the codes with the 0x64 exponent byte.
 That is about one instruction per code, where the compiler's own lowering of
 the same jnp expression spends four (it moves every byte through its own
 register). In interpret mode the same function is computed with jnp.
+
+**Codes left in place** (``in_place=True``): every byte becomes float16
+``1024 + b`` once (the two byte permutes), and slice ``i`` is that with the
+other slices' bits masked off (one AND per two codes), so it holds
+``1024 + c * 2^(bits * i)``: 2 + 2n instructions per word of n slices
+instead of 4n - 1. The caller undoes the power of two after its dots (a
+kernel's value accumulators, once per program).
 """
 
 from __future__ import annotations
@@ -42,13 +49,24 @@ def _asm(bits: int, i: int) -> str:
     return "\n".join(lines)
 
 
-def magic_slices(packed: jax.Array, bits: int, *, interpret: bool) -> list[jax.Array]:
+def slice_mask(bits: int, i: int) -> int:
+    """The bits of slice ``i`` of a byte of ``bits``-bit codes, in place."""
+    return ((1 << bits) - 1) << (bits * i)
+
+
+def magic_slices(packed: jax.Array, bits: int, *, interpret: bool,
+                 in_place: bool = False) -> list[jax.Array]:
     """Float16 ``1024 + code`` for every code slice of ``packed`` (uint8, any shape).
 
     Slice ``i`` holds the codes at bit offset ``i * bits`` of each byte (see
-    :mod:`diffkv_jax.quantization`); 8-bit codes are one slice.
+    :mod:`diffkv_jax.quantization`); 8-bit codes are one slice. With
+    ``in_place`` slice ``i`` is ``1024 + code * 2^(bits * i)`` (the code left at
+    its bit offset; fewer instructions on the GPU).
     """
     n = 8 // bits
+    if in_place and n > 1:
+        whole = magic_slices(packed, 8, interpret=interpret)[0]
+        return [_masked(whole, slice_mask(bits, i), interpret) for i in range(n)]
     if interpret:
         mask = jnp.uint8((1 << bits) - 1)
         out = []
@@ -63,6 +81,22 @@ def magic_slices(packed: jax.Array, bits: int, *, interpret: bool) -> list[jax.A
     return [plgpu.elementwise_inline_asm(_asm(bits, i), args=[packed], constraints="=r,=r,r",
                                          pack=4, result_shape_dtypes=[shape])[0]
             for i in range(n)]
+
+
+def _masked(whole: jax.Array, mask: int, interpret: bool) -> jax.Array:
+    """Float16 ``1024 + b`` (``whole``) with the byte's bits outside ``mask`` cleared:
+    ``1024 + (b & mask)``."""
+    keep = MAGIC_BITS | mask
+    if interpret:
+        bits16 = lax.bitcast_convert_type(whole, jnp.uint16) & jnp.uint16(keep)
+        return lax.bitcast_convert_type(bits16, jnp.float16)
+    from jax.experimental.pallas import triton as plgpu
+
+    pair = keep * 0x10001  # both float16 of a 32-bit register
+    return plgpu.elementwise_inline_asm(f"and.b32 $0, $1, {pair:#010x};", args=[whole],
+                                        constraints="=r,r", pack=2,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(
+                                            whole.shape, jnp.float16)])[0]
 
 
 def exact_slices(packed: jax.Array, bits: int, dtype) -> list[jax.Array]:

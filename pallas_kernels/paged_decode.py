@@ -170,6 +170,18 @@ class LaunchConfig:
     # Tiers of longer pages (K4V2's 64 slots) are walked one page per step by the
     # first lane's rows: measured on the H200, their loop slows down with lanes.
     lane_slots: int = 32
+    # Quantized tiers of longer pages than lane_slots whose pages split into one part
+    # per lane of at most lane_slots slots (K4V2's 64 slots over two lanes): one page
+    # per step, lane r over part r, instead of lane 0's rows alone over whole pages.
+    # Every query row is then live and the softmax runs on half the elements per
+    # token; the step reads one contiguous page as before.
+    split_pages: bool = False
+    # Quantized values' code slices left at their bit offsets (float16 1024 + c 2^(b i),
+    # code_convert's in_place): each byte becomes float16 once and every slice is one
+    # AND per two codes, 2 + 2n instructions per word of n slices instead of 4n - 1.
+    # The powers of two are undone on the value accumulators, once per tier change
+    # and once at the end of the program (float16 dots only).
+    values_in_place: bool = False
     # Quantized tiers: the dots taken with the page's tokens as the tile's rows and
     # the query rows as its columns (``k . q^T``, ``v^T . p^T``). The GPU's dot tile
     # needs 16 rows but only 8 columns, so a group of up to 8 queries (or two lanes
@@ -379,10 +391,21 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         last = jnp.clip(page_at(end, t, offset), 0, row_pages)
         return first, last, offset + row_pages * cfg.weight(t)
 
+    def split_page(fmt: TierFormat) -> bool:
+        """Whether the tier's pages are walked a page per step, a part per lane
+        (cfg.split_pages)."""
+        part = fmt.slots // n_lanes
+        return (cfg.split_pages and n_lanes > 1 and fmt.quantized
+                and fmt.slots > cfg.lane_slots and part * n_lanes == fmt.slots
+                and part <= cfg.lane_slots and part % 16 == 0)
+
     def tier_steps(fmt: TierFormat):
         """How a tier's loop walks its pages: ``(cap, n_sub, laned)``, steps over
-        ``cap`` slots (whole pages unless cfg.sub_slots), ``n_sub`` steps per page,
-        and whether a step takes one page per lane."""
+        ``cap`` slots (whole pages unless cfg.sub_slots, or a lane's part of a page
+        with cfg.split_pages), ``n_sub`` parts per page, and whether a step takes one
+        part (a page or a page's part) per lane."""
+        if split_page(fmt):
+            return fmt.slots // n_lanes, n_lanes, True
         cap = fmt.slots
         if fmt.quantized and 0 < cfg.sub_slots < fmt.slots:
             cap = cfg.sub_slots
@@ -393,7 +416,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         full (``num_stages - 1`` steps ahead): the ones :func:`early_loads` reads."""
         _, n_sub, laned = tier_steps(fmt)
         ahead = max(cfg.num_stages - 1, 1)
-        return min(n_lanes * ahead if laned else -(-ahead // n_sub), 8)
+        if laned:  # n_lanes parts per step: n_lanes pages, or one split page
+            return min(n_lanes * ahead // n_sub, 8)
+        return min(-(-ahead // n_sub), 8)
 
     def early_loads():
         """Per tier: its token count and the table entries of the item's first pages
@@ -470,7 +495,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             # Value part i holds dims [i w, (i + 1) w): slice i*w // vw, rows (i*w) % vw.
             for rb in range(vw // w):
                 vb = v_ref[page, pl.ds(kw + rb * w, w), pl.ds(at, cap)]  # [w, cap] codes
-                v_parts = (magic_slices(vb, fmt.v_bits, interpret=interpret) if magic
+                v_parts = (magic_slices(vb, fmt.v_bits, interpret=interpret,
+                                        in_place=cfg.values_in_place) if magic
                            else exact_slices(vb, fmt.v_bits, jnp.float32))
                 for sl, vp in enumerate(v_parts):
                     i = (sl * vw + rb * w) // w
@@ -535,46 +561,88 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             return value_dots(accs, pv, page, at), m, l, r, z
 
         def lane_body(j, carry):
-            """One step over ``n_lanes`` pages: lane r takes page first + j * n_lanes + r."""
-            base = first + j * n_lanes
-            lane_page = [in_pool(page_id(jnp.minimum(base + r, last - 1)))
-                         for r in range(n_lanes)]
+            """One step over ``n_lanes`` parts: lane r takes part u0 + j * n_lanes + r of
+            the tier (parts of ``cap`` slots, ``n_sub`` per page, from the item's first
+            page's): page first + j * n_lanes + r, or with split pages part r of page
+            first + j."""
+            base = first * n_sub + j * n_lanes  # the step's first part
+            last_part = last * n_sub
+            if n_sub > 1:  # one page, a part per lane at a static offset
+                page = in_pool(page_id(first + j))
+                lane_page, lane_at = [page] * n_lanes, [r * cap for r in range(n_lanes)]
+            else:
+                lane_page = [in_pool(page_id(jnp.minimum(base + r, last - 1)))
+                             for r in range(n_lanes)]
+                lane_at = [0] * n_lanes
             lane_col = per_row(lane_of_row)
             tok = per_row(base + lane_of_row) * cap + per_slot(col_iota)  # tier token index
-            valid = tok < jnp.minimum(n_tok, last * cap)
+            valid = tok < jnp.minimum(n_tok, last * fmt.slots)
             acc = None
-            for r in range(n_lanes):  # lane r's rows take the dot with its own page
-                d = key_dot(lane_page[r], 0)
+            for r in range(n_lanes):  # lane r's rows take the dot with its own part
+                d = key_dot(lane_page[r], lane_at[r])
                 acc = d if acc is None else jnp.where(lane_col == r, d, acc)
-            # Each row's metadata words, gathered from its lane's page.
-            page_row = lane_page[0]
-            for r in range(1, n_lanes):
-                page_row = jnp.where(lane_of_row == r, lane_page[r], page_row)
+            # Each row's metadata words, gathered from its lane's part.
+            if n_sub > 1:
+                page_row = jnp.full((Gp,), lane_page[0])
+                at_row = lane_of_row * cap
+            else:
+                page_row = lane_page[0]
+                for r in range(1, n_lanes):
+                    page_row = jnp.where(lane_of_row == r, lane_page[r], page_row)
+                at_row = None
 
-            def words(ref):  # each row's metadata words, from its lane's page
+            def words(ref):  # each row's metadata words, from its lane's part
+                if at_row is not None:
+                    cols = per_row(at_row) + per_slot(col_iota)
+                    return ref[jnp.broadcast_to(per_row(page_row), cols.shape), cols]
                 if tr:
                     return ref[page_row[None, :], col_iota[:, None]]
                 return ref[page_row, pl.ds(0, cap)]
 
             s = logits(acc, words(km_ref))
-            lanes = [(base + r < last, jnp.minimum(base + r, last - 1) * cap)
+            lanes = [(base + r < last_part, jnp.minimum(base + r, last_part - 1) * cap)
                      for r in range(n_lanes)]
             p, (accs, m, l, r_acc, z) = softmax(
-                s, valid, lambda s: store_lane_logits(s_ref, s, tok, base + lane_of_row < last,
+                s, valid, lambda s: store_lane_logits(s_ref, s, tok,
+                                                      base + lane_of_row < last_part,
                                                       lanes), carry)
             pv, r_acc, z = value_weights(p, words(vm_ref), r_acc, z)
             for r in range(n_lanes):  # the value dots of lane r's rows alone
                 accs = value_dots(accs, jnp.where(lane_col == r, pv, jnp.zeros_like(pv)),
-                                  lane_page[r], 0)
+                                  lane_page[r], lane_at[r])
             return accs, m, l, r_acc, z
 
         if at_loop is not None:  # once the loop's operands (its range, the query) are known
             qv = q_sum if fmt.quantized else q_full.astype(jnp.float32)
             at_loop(first + last + lax.bitcast_convert_type(jnp.max(qv), jnp.int32))
         if laned:
-            steps = (last - first + n_lanes - 1) // n_lanes
+            steps = ((last - first) * n_sub + n_lanes - 1) // n_lanes
             return lax.fori_loop(0, steps, lane_body, carry), next_offset
         return lax.fori_loop(first * n_sub, last * n_sub, body, carry), next_offset
+
+    def value_exponents(fmt: TierFormat) -> tuple[int, ...]:
+        """Per value accumulator, the power of two its codes carry in this tier's dots
+        (cfg.values_in_place: slice sl of a byte is c 2^(v_bits sl)); 0 otherwise."""
+        exps = [0] * parts
+        if magic and cfg.values_in_place and fmt.quantized and fmt.v_bits < 8:
+            vw = fmt.value_width
+            for rb in range(vw // w):
+                for sl in range(8 // fmt.v_bits):
+                    exps[(sl * vw + rb * w) // w] = fmt.v_bits * sl
+        return tuple(exps)
+
+    def row_offsets(r):
+        """The 1024 offsets' row sums (every column of the R tile holds them)."""
+        return jnp.max(r, axis=0 if tr else 1)
+
+    def rebase(carry, exps_from, exps_to):
+        """The value accumulators from one tier's powers of two to the next's: the
+        offsets so far removed (the R tile restarts) and each accumulator rescaled."""
+        accs, m, l, r, z = carry
+        off = per_row(MAGIC * row_offsets(r))
+        accs = [(a - off) * (2.0 ** (e1 - e0)) if e1 != e0 else a - off
+                for a, e0, e1 in zip(accs, exps_from, exps_to)]
+        return accs, m, l, jnp.zeros_like(r), z
 
     acc_shape, r_shape = ((w, Gp), (RW, Gp)) if tr else ((Gp, w), (Gp, RW))
     carry = ([jnp.zeros(acc_shape, jnp.float32)] * parts,
@@ -582,7 +650,11 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
              jnp.zeros(r_shape, jnp.float32), jnp.zeros((Gp,), jnp.float32))
     offset = jnp.int32(0)
     early = early_loads() if cfg.early_row_loads else [None] * len(tiers)
+    exps = value_exponents(tiers[0])
     for t, fmt in enumerate(tiers):
+        if value_exponents(fmt) != exps:
+            carry = rebase(carry, exps, value_exponents(fmt))
+            exps = value_exponents(fmt)
         at_loop = None
         if trace_ref is not None and t == 0:
             at_loop = lambda value: stamp(value, "loop_ns", "loop_cycles")  # noqa: E731
@@ -594,8 +666,10 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         stamp(jnp.max(l), "loop_end_ns", "loop_end_cycles")
     # Every tier's values carry the same offset terms: o = acc - 1024 R + Z (every
     # column of the R tile holds the same row sums).
-    corr_o = z - MAGIC * jnp.max(r, axis=0 if tr else 1) if magic else z
-    outs = [o + per_row(corr_o) for o in accs]
+    corr_o = z - MAGIC * row_offsets(r) if magic else z
+    outs = [o + per_row(corr_o) if not e
+            else (o - per_row(MAGIC * row_offsets(r))) * (2.0 ** -e) + per_row(z)
+            for o, e in zip(accs, exps)]
     if tr:
         outs = [o.T for o in outs]
     if n_lanes > 1:

@@ -49,7 +49,10 @@ pipeline stages and warps, ``lg`` the bits of the stored logits
 (``LaunchConfig.logits_dtype``, 16 or 32), ``m`` the merge (as ``--merge``), ``el=1``
 the rows' token counts and first table entries loaded before the first loop
 (``LaunchConfig.early_row_loads``), ``sn`` the share of an item within which the
-plan moves a row's cut onto its tier boundary (``plan_work(snap=)``); labelled
+plan moves a row's cut onto its tier boundary (``plan_work(snap=)``), ``vp=1``
+the value codes' slices left at their bit offsets
+(``LaunchConfig.values_in_place``), ``sp=1`` K4V2's pages walked a page per
+step, half a page per lane (``LaunchConfig.split_pages``); labelled
 ``<variant>/tokens[setting]``.
 
     python scripts/bench_attention.py                     # the full grid
@@ -152,9 +155,14 @@ def main() -> int:
                 out["early_row_loads"] = val == "1"
             elif k == "sn" and 0 <= float(val) < 0.5:
                 out["snap"] = float(val)
+            elif k == "vp" and val in ("0", "1"):
+                out["values_in_place"] = val == "1"
+            elif k == "sp" and val in ("0", "1"):
+                out["split_pages"] = val == "1"
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
-                                 "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5))")
+                                 "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), "
+                                 "vp=0|1, sp=0|1)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -189,7 +197,9 @@ def main() -> int:
                       transposed=transposed, weights=weights)
         cfg = dataclasses.replace(cfg, **{k: tune[k] for k in ("lane_slots", "num_stages",
                                                                 "num_warps", "logits_dtype",
-                                                                "early_row_loads")
+                                                                "early_row_loads",
+                                                                "values_in_place",
+                                                                "split_pages")
                                           if k in tune})
         tile_rows = pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)

@@ -3,7 +3,7 @@ each tier's first page loaded as soon as the work item is known.
 
 The launch must give bit-identical results with and without it (interpret mode,
 random pages and ragged rows, every loop form: whole pages, parts of pages, page
-lanes, token tiles, weighted work units, the merged launch), and its CUDA lowering
+lanes, split pages, token tiles, weighted work units, the merged launch), and its CUDA lowering
 must issue those loads before the first tier's loop (checked on the CPU).
 """
 
@@ -40,6 +40,8 @@ def both_ways(run, cfg):
     ("k8v4+k4v2", 64, 3, None, {}),
     ("k8v4+k4v2 wide", 128, 4, None, dict(tier_weights=(1, 2))),
     ("k8v4+k4v2 wide", 128, 4, 8, dict(transposed=True, page_lanes=2, tier_weights=(1, 2))),
+    ("k8v4+k4v2 wide", 128, 4, 8, dict(transposed=True, page_lanes=2, tier_weights=(1, 2),
+                                       split_pages=True)),
     ("k8v4+k4v2", 64, 3, None, dict(page_lanes=4, lane_slots=64)),
     ("k8v4+k4v2 wide", 128, 4, None, dict(sub_slots=16)),
     ("k2v2", 64, 8, None, {}),

@@ -61,7 +61,7 @@ TIER_SETS = {
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
                  seed=0, work_items=None, sub_slots=0, page_lanes=1, rows_in_kernel=False,
                  transposed=False, tier_weights=(), lane_slots=32, logits_dtype=None,
-                 min_pages=2, snap=0.0):
+                 min_pages=2, snap=0.0, **launch):
     """``logits_dtype``: the stored logits' type (None: that of the dots, so the
     float32 checks compare float32 logits). ``work_items``: launch over
     :func:`pdk.plan_work` items (rows 1 and 4 inactive) instead of ``splits`` even
@@ -69,7 +69,8 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
     rows and the kernel pads them to ``pad`` itself (``padded_rows``).
     ``tier_weights``: work units per page of each tier, in the plan and the launch;
     ``min_pages``: the plan's least units per item; ``snap``: the plan's cuts moved
-    onto the rows' tier boundaries within that share of an item."""
+    onto the rows' tier boundaries within that share of an item; ``launch``: more
+    :class:`pdk.LaunchConfig` fields."""
     rng = np.random.default_rng(seed)
     S, H, P, NP = (3, 2, 24, 3) if work_items is None else (5, 2, 40, 5)
     tiers, refs = [], []
@@ -81,7 +82,7 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
     cfg = pdk.LaunchConfig(num_splits=splits, dot_dtype=dot_dtype, lazy_rescale=lazy,
                            sub_slots=sub_slots, page_lanes=page_lanes, transposed=transposed,
                            tier_weights=tier_weights, lane_slots=lane_slots,
-                           logits_dtype=logits_dtype or dot_dtype)
+                           logits_dtype=logits_dtype or dot_dtype, **launch)
     qk = q if pad is None or rows_in_kernel else pdk.pad_group(q, pad)
     padded_rows = pdk.padded_group(G, pad) if rows_in_kernel else None
     active = np.ones(S, bool)
