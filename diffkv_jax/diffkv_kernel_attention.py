@@ -111,6 +111,9 @@ VALUES_IN_PLACE = False
 #: K4V2's 64-slot pages walked a page per step, half a page per lane
 #: (``LaunchConfig.split_pages``).
 SPLIT_PAGES = False
+#: Page lanes' metadata loaded once per lane and chosen per query column
+#: (``LaunchConfig.lane_meta_select``).
+LANE_META_SELECT = False
 
 
 def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
@@ -127,7 +130,8 @@ def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
                             page_lanes=page_lanes(head_dim), transposed=transposed,
                             tier_weights=tuple(weights), logits_dtype=logits_dtype,
                             early_row_loads=early_row_loads,
-                            values_in_place=VALUES_IN_PLACE, split_pages=SPLIT_PAGES)
+                            values_in_place=VALUES_IN_PLACE, split_pages=SPLIT_PAGES,
+                            lane_meta_select=LANE_META_SELECT)
 
 
 def _grouped_query(q, H: int):

@@ -182,6 +182,9 @@ class LaunchConfig:
     # The powers of two are undone on the value accumulators, once per tier change
     # and once at the end of the program (float16 dots only).
     values_in_place: bool = False
+    # Page lanes: each lane's metadata words loaded once as a vector and chosen per
+    # query column, instead of gathered per (slot, column) element.
+    lane_meta_select: bool = False
     # Quantized tiers: the dots taken with the page's tokens as the tile's rows and
     # the query rows as its columns (``k . q^T``, ``v^T . p^T``). The GPU's dot tile
     # needs 16 rows but only 8 columns, so a group of up to 8 queries (or two lanes
@@ -592,6 +595,13 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 at_row = None
 
             def words(ref):  # each row's metadata words, from its lane's part
+                if cfg.lane_meta_select:  # each lane's words once, chosen by column
+                    tile = None
+                    for r in range(n_lanes):
+                        part = per_slot(ref[lane_page[r], pl.ds(lane_at[r], cap)])
+                        tile = (jnp.broadcast_to(part, acc.shape) if tile is None
+                                else jnp.where(lane_col == r, part, tile))
+                    return tile
                 if at_row is not None:
                     cols = per_row(at_row) + per_slot(col_iota)
                     return ref[jnp.broadcast_to(per_row(page_row), cols.shape), cols]

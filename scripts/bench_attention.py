@@ -52,7 +52,9 @@ the rows' token counts and first table entries loaded before the first loop
 plan moves a row's cut onto its tier boundary (``plan_work(snap=)``), ``vp=1``
 the value codes' slices left at their bit offsets
 (``LaunchConfig.values_in_place``), ``sp=1`` K4V2's pages walked a page per
-step, half a page per lane (``LaunchConfig.split_pages``); labelled
+step, half a page per lane (``LaunchConfig.split_pages``), ``ms=1`` each lane's
+metadata loaded once and chosen per column (``LaunchConfig.lane_meta_select``);
+labelled
 ``<variant>/tokens[setting]``.
 
     python scripts/bench_attention.py                     # the full grid
@@ -159,10 +161,12 @@ def main() -> int:
                 out["values_in_place"] = val == "1"
             elif k == "sp" and val in ("0", "1"):
                 out["split_pages"] = val == "1"
+            elif k == "ms" and val in ("0", "1"):
+                out["lane_meta_select"] = val == "1"
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
                                  "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), "
-                                 "vp=0|1, sp=0|1)")
+                                 "vp=0|1, sp=0|1, ms=0|1)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -199,7 +203,8 @@ def main() -> int:
                                                                 "num_warps", "logits_dtype",
                                                                 "early_row_loads",
                                                                 "values_in_place",
-                                                                "split_pages")
+                                                                "split_pages",
+                                                                "lane_meta_select")
                                           if k in tune})
         tile_rows = pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)

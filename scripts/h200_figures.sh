@@ -16,7 +16,7 @@
 #   bash scripts/h200_figures.sh timeline-shapes  # the same at 32 x 16K and 128 x 4K
 #   bash scripts/h200_figures.sh weights      # low pages weighed 15 / 8 of a high page (cuts on the tier boundary too), B = 32
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
-#   bash scripts/h200_figures.sh codes        # value codes in place, K4V2 pages split over the lanes, B = 32
+#   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
 #   bash scripts/h200_figures.sh smollm2      # the embedded model's shapes, as the caches launch
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
@@ -125,10 +125,12 @@ case "${1:-}" in
   codes)
     # the value codes' slices left at their bit offsets (vp) and K4V2's 64-slot pages
     # walked a page per step, half a page per lane (sp): compiled checks, then chained
-    python -m pytest -q -m gpu tests/test_values_in_place.py tests/test_split_pages.py
+    # and each lane's metadata loaded once (ms)
+    python -m pytest -q -m gpu tests/test_values_in_place.py tests/test_split_pages.py \
+      tests/test_lane_meta_select.py
     python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
       --variants jax-bf16,diffkv-high,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
-      --tune "m=last;m=last,vp=1;m=last,sp=1;m=last,vp=1,sp=1" \
+      --tune "m=last;m=last,vp=1;m=last,vp=1,ms=1;m=last,vp=1,ms=1,sp=1" \
       --json "$OUT/bench_attention_codes_b32.json" ;;
   smollm2)
     # SmolLM2-135M's heads (9 q / 3 KV, d = 64) with the caches' launch: token tiles, the

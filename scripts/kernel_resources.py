@@ -161,6 +161,8 @@ def main() -> int:
     p.add_argument("--in-place", default="0",
                    help="LaunchConfig.values_in_place values (1: value code slices left at "
                         "their bit offsets)")
+    p.add_argument("--meta-select", default="0",
+                   help="LaunchConfig.lane_meta_select values")
     p.add_argument("--padded-q", action="store_true",
                    help="q padded to 16 rows in memory (the launches before padded_rows)")
     p.add_argument("--policy", action="store_true",
@@ -190,7 +192,7 @@ def main() -> int:
     D, G = args.head_dim, args.group
     print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
           f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
-    for spec, warps, stages, sub, lanes, trans, merged, early, split, vip in itertools.product(
+    for spec, warps, stages, sub, lanes, trans, merged, early, split, vip, msel in itertools.product(
             args.tiers.split(","), [int(x) for x in args.warps.split(",")],
             [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")],
             [int(x) for x in args.lanes.split(",")],
@@ -198,7 +200,8 @@ def main() -> int:
             [bool(int(x)) for x in args.merged.split(",")],
             [bool(int(x)) for x in args.early.split(",")],
             [bool(int(x)) for x in args.split.split(",")],
-            [bool(int(x)) for x in args.in_place.split(",")]):
+            [bool(int(x)) for x in args.in_place.split(",")],
+            [bool(int(x)) for x in args.meta_select.split(",")]):
         tiers, caps = [], []
         for part in spec.split("+"):
             kb, vb, cap = (int(x) for x in part.split("-"))
@@ -216,7 +219,8 @@ def main() -> int:
             continue
         cfg = pdk.LaunchConfig(num_warps=warps, num_stages=stages, sub_slots=sub,
                                page_lanes=lanes, transposed=trans, early_row_loads=early,
-                               split_pages=split, values_in_place=vip)
+                               split_pages=split, values_in_place=vip,
+                               lane_meta_select=msel)
         rows = pdk.tile_rows(G, trans)
         n_lanes = cfg.lanes(rows, G)
         if n_lanes > 1:  # tiers of pages up to lane_slots walk a page per lane per step
@@ -237,13 +241,15 @@ def main() -> int:
         name = (f"{spec.replace('+', '_')}_w{warps}_st{stages}" + (f"_sub{sub}" if sub else "")
                 + (f"_lanes{n_lanes}" if n_lanes > 1 else "") + ("_tr" if trans else "")
                 + ("_merged" if merged else "") + ("_early" if early else "")
-                + ("_split" if split else "") + ("_vip" if vip else ""))
+                + ("_split" if split else "") + ("_vip" if vip else "")
+                + ("_msel" if msel else ""))
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
             fh.write(strip_locations(triton_ir(fn, q)))
         label = (spec + (f" /{sub}" if sub else "") + (f" x{n_lanes}" if n_lanes > 1 else "")
                  + (" T" if trans else "") + (" M" if merged else "") + (" E" if early else "")
-                 + (" S" if split else "") + (" V" if vip else ""))
+                 + (" S" if split else "") + (" V" if vip else "")
+                 + (" M" if msel else ""))
         line = f"{label:24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")
