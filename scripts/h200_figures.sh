@@ -123,9 +123,9 @@ case "${1:-}" in
       --tune "m=last;m=last,w=8-15;m=last,w=8-15,sn=0.3" \
       --json "$OUT/bench_attention_weights_b$B.json" ;;
   codes)
-    # the value codes' slices left at their bit offsets (vp) and K4V2's 64-slot pages
-    # walked a page per step, half a page per lane (sp): compiled checks, then chained
-    # and each lane's metadata loaded once (ms)
+    # the value codes' slices left at their bit offsets (vp), each lane's metadata
+    # loaded once (ms) and K4V2's 64-slot pages walked a page per step, half a page per
+    # lane (sp): the compiled checks, then the launches chained
     python -m pytest -q -m gpu tests/test_values_in_place.py tests/test_split_pages.py \
       tests/test_lane_meta_select.py
     python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
