@@ -57,8 +57,12 @@ def partials(tier_set, cfg, G=4, D=128, pad=8, seed=0):
 @pytest.mark.parametrize("tier_set", ["k8v4+k4v2 wide", "k2v2"])
 def test_values_in_place_agree_with_the_shifted_codes(tier_set):
     # Both launches' dots are exact (float16 codes and weights, float32 sums); they
-    # differ by the float32 rounding of the 1024 offsets' removal. Every part of the
-    # head dim is compared (a wrong power of two shows in its quarter alone).
+    # differ by the float32 rounding of the 1024 offsets' removal, up to about 1e-4
+    # of the output scale where a partial's probabilities run up to 2^8 (the shifted
+    # codes' sums are then multiples of 2^-11; in place, the higher slices' rounding
+    # is divided by their powers of two). Every part of the head dim is compared (a
+    # wrong power of two shows in its quarter alone, as an error the size of the
+    # output).
     base = dict(dot_dtype="float16", logits_dtype="float32", transposed=True, page_lanes=2,
                 num_splits=2)
     a = partials(tier_set, pdk.LaunchConfig(**base), seed=4)
@@ -69,7 +73,7 @@ def test_values_in_place_agree_with_the_shifted_codes(tier_set):
     o_a, o_b = np.asarray(o_a), np.asarray(o_b)
     scale = float(np.abs(o_a).max())
     for part in np.split(np.arange(o_a.shape[-1]), 4):
-        np.testing.assert_allclose(o_b[..., part], o_a[..., part], atol=2e-3 * scale)
+        np.testing.assert_allclose(o_b[..., part], o_a[..., part], atol=1e-3 * scale)
 
 
 def test_float32_codes_ignore_values_in_place():
