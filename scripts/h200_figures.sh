@@ -17,6 +17,7 @@
 #   bash scripts/h200_figures.sh weights      # low pages weighed 15 / 8 of a high page (cuts on the tier boundary too), B = 32
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
 #   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
+#   bash scripts/h200_figures.sh codes-engine # the engine's GPU tests with values in place and the lanes' metadata once
 #   bash scripts/h200_figures.sh smollm2      # the embedded model's shapes, as the caches launch
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
@@ -132,6 +133,20 @@ case "${1:-}" in
       --variants jax-bf16,diffkv-high,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
       --tune "m=last;m=last,vp=1;m=last,vp=1,ms=1;m=last,vp=1,ms=1,sp=1" \
       --json "$OUT/bench_attention_codes_b32.json" ;;
+  codes-engine)
+    # the caches' GPU tests with two of those options on (their defaults are off):
+    # the module's switches set before the tests run in the same process
+    python - <<'EOF'
+import sys
+
+import pytest
+
+from diffkv_jax import diffkv_kernel_attention as dka
+
+dka.VALUES_IN_PLACE = dka.LANE_META_SELECT = True
+sys.exit(pytest.main(["-q", "-m", "gpu", "tests/test_diffkv_kernel_path.py"]))
+EOF
+    ;;
   smollm2)
     # SmolLM2-135M's heads (9 q / 3 KV, d = 64) with the caches' launch: token tiles, the
     # one-wave plan, the merge in its own launch and inside the decode launch
@@ -152,6 +167,6 @@ case "${1:-}" in
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|weights|weights-b128|codes|smollm2|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|weights|weights-b128|codes|codes-engine|smollm2|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac
