@@ -209,6 +209,17 @@ def _serve(cfg, params, method, prompts, max_new: int, steps: int, dtype=jnp.flo
             None if scores is None else np.asarray(scores), method.memory_stats(eng.state))
 
 
+def _score_tolerance(compiled: bool) -> dict:
+    """How closely two merges' scores agree after 30 steps. With float32 dots
+    (interpret mode) they differ by rounding alone. Compiled, the dots take float16
+    operands: a rounding difference in the merge moves a query element or a logit
+    across a float16 rounding boundary some steps later, and the scores then differ
+    by up to ~2e-3 relative (the same serving in interpret mode with the launch's
+    float16 operands: at most 1.6e-3 on scores up to 12). A merge that loses or
+    mis-weights a partial is off by far more."""
+    return dict(rtol=5e-3, atol=2e-3) if compiled else dict(rtol=1e-4, atol=1e-5)
+
+
 def _serve_both(cfg, params, prompts, methods):
     """:func:`_serve` (40 new tokens, 30 steps) with each of two methods, after
     checking that both give the same greedy tokens, more than 20 of them."""
@@ -231,7 +242,7 @@ def test_merge_in_the_policy_launch_serves_the_same_tokens(tiny_model, compiled)
     assert dataclasses.replace(xla, merge_impl="auto").merges_in_policy == compiled
     runs = _serve_both(cfg, params, prompts, (xla, fused))
     assert runs[0][2]["frac_low"] > 0
-    np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(runs[1][1], runs[0][1], **_score_tolerance(compiled))
     with pytest.raises(ValueError, match="merge_impl"):
         make_method("diffkv", cfg, max_seqs=2, max_context=128, merge_impl="pallas")
 
@@ -250,7 +261,7 @@ def test_merge_in_the_attention_launch_serves_the_same_tokens(tiny_model, compil
     assert not policy.merges_in_attention
     runs = _serve_both(cfg, params, prompts, (policy, launch))
     assert runs[0][2]["frac_low"] > 0
-    np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(runs[1][1], runs[0][1], **_score_tolerance(compiled))
     with pytest.raises(ValueError, match="merge_impl"):
         make_method("diffkv", cfg, max_seqs=2, max_context=128, merge_impl="launch")
 
