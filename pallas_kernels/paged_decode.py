@@ -585,7 +585,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 d = key_dot(lane_page[r], lane_at[r])
                 acc = d if acc is None else jnp.where(lane_col == r, d, acc)
             # Each row's metadata words, gathered from its lane's part.
-            if n_sub > 1:
+            if cfg.lane_meta_select:  # words() loads each lane's part once instead
+                page_row = at_row = None
+            elif n_sub > 1:
                 page_row = jnp.full((Gp,), lane_page[0])
                 at_row = lane_of_row * cap
             else:
@@ -662,9 +664,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
     early = early_loads() if cfg.early_row_loads else [None] * len(tiers)
     exps = value_exponents(tiers[0])
     for t, fmt in enumerate(tiers):
-        if value_exponents(fmt) != exps:
-            carry = rebase(carry, exps, value_exponents(fmt))
-            exps = value_exponents(fmt)
+        tier_exps = value_exponents(fmt)
+        if tier_exps != exps:
+            carry, exps = rebase(carry, exps, tier_exps), tier_exps
         at_loop = None
         if trace_ref is not None and t == 0:
             at_loop = lambda value: stamp(value, "loop_ns", "loop_cycles")  # noqa: E731

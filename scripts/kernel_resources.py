@@ -136,6 +136,11 @@ def opcode_counts(body: list[str]) -> collections.Counter:
     return ops
 
 
+def flags(text: str) -> list[bool]:
+    """A comma-separated list of 0 / 1 values as booleans."""
+    return [bool(int(x)) for x in text.split(",")]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiers", default="8-4-32,4-2-64,8-4-32+4-2-64,8-8-32,16-16-16",
@@ -162,7 +167,8 @@ def main() -> int:
                    help="LaunchConfig.values_in_place values (1: value code slices left at "
                         "their bit offsets)")
     p.add_argument("--meta-select", default="0",
-                   help="LaunchConfig.lane_meta_select values")
+                   help="LaunchConfig.lane_meta_select values (1: each lane's metadata "
+                        "loaded once, labelled L)")
     p.add_argument("--padded-q", action="store_true",
                    help="q padded to 16 rows in memory (the launches before padded_rows)")
     p.add_argument("--policy", action="store_true",
@@ -196,12 +202,8 @@ def main() -> int:
             args.tiers.split(","), [int(x) for x in args.warps.split(",")],
             [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")],
             [int(x) for x in args.lanes.split(",")],
-            [bool(int(x)) for x in args.transposed.split(",")],
-            [bool(int(x)) for x in args.merged.split(",")],
-            [bool(int(x)) for x in args.early.split(",")],
-            [bool(int(x)) for x in args.split.split(",")],
-            [bool(int(x)) for x in args.in_place.split(",")],
-            [bool(int(x)) for x in args.meta_select.split(",")]):
+            *(flags(text) for text in (args.transposed, args.merged, args.early, args.split,
+                                       args.in_place, args.meta_select))):
         tiers, caps = [], []
         for part in spec.split("+"):
             kb, vb, cap = (int(x) for x in part.split("-"))
@@ -249,7 +251,7 @@ def main() -> int:
         label = (spec + (f" /{sub}" if sub else "") + (f" x{n_lanes}" if n_lanes > 1 else "")
                  + (" T" if trans else "") + (" M" if merged else "") + (" E" if early else "")
                  + (" S" if split else "") + (" V" if vip else "")
-                 + (" M" if msel else ""))
+                 + (" L" if msel else ""))
         line = f"{label:24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")

@@ -8,6 +8,7 @@ mode on the CPU and, marked ``gpu``, compiled on the GPU.
 
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -56,6 +57,19 @@ TIER_SETS = {
     "k4v4": [(4, 4, 32)],
     "16bit": [(16, 16, 16)],
 }
+
+
+def random_partials(tier_set, cfg, G=4, D=128, pad=8, seed=0):
+    """The leaves of :func:`pdk.paged_decode_partials` (interpret mode) over random
+    pages of ``tier_set`` (3 x 2 rows of up to 3 pages per tier) and a random query
+    group padded to ``pad`` rows."""
+    rng = np.random.default_rng(seed)
+    S, H, P, NP = 3, 2, 24, 3
+    tiers = [make_tier(rng, pdk.TierFormat(kb, vb, D, cap), P, S, H, NP)[0]
+             for kb, vb, cap in TIER_SETS[tier_set]]
+    q = pdk.pad_group(jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32), pad)
+    return jax.tree.leaves(pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg,
+                                                     interpret=True))
 
 
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,

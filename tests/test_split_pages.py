@@ -7,14 +7,12 @@ lists (interpret mode; compiled on the GPU, marked ``gpu``), and shown to change
 nothing where no tier qualifies (bit for bit).
 """
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels import paged_decode as pdk
 
-from tests.test_paged_decode_kernel import TIER_SETS, check_kernel, make_tier
+from tests.test_paged_decode_kernel import check_kernel, random_partials
 
 
 @pytest.mark.parametrize("D,G,pad,transposed", [(128, 4, 8, True), (64, 3, 8, True),
@@ -33,16 +31,6 @@ def test_split_pages_with_float16_codes_match_reference():
                  transposed=True, tier_weights=(1, 2), split_pages=True)
 
 
-def partials(tier_set, cfg, G=4, D=128, pad=8, seed=0):
-    rng = np.random.default_rng(seed)
-    S, H, P, NP = 3, 2, 24, 3
-    tiers = [make_tier(rng, pdk.TierFormat(kb, vb, D, cap), P, S, H, NP)[0]
-             for kb, vb, cap in TIER_SETS[tier_set]]
-    q = pdk.pad_group(jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32), pad)
-    return jax.tree.leaves(pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg,
-                                                     interpret=True))
-
-
 @pytest.mark.parametrize("tier_set,kw", [
     ("k8v4", {}),  # 32-slot pages: walked a page per lane already
     ("k8v4+k4v2 wide", dict(lane_slots=64)),  # 64-slot pages a page per lane
@@ -51,8 +39,8 @@ def partials(tier_set, cfg, G=4, D=128, pad=8, seed=0):
 def test_split_pages_leave_other_launches_alone(tier_set, kw):
     base = dict(dot_dtype="float32", logits_dtype="float32", transposed=True, page_lanes=2)
     base.update(kw)
-    plain = partials(tier_set, pdk.LaunchConfig(**base))
-    split = partials(tier_set, pdk.LaunchConfig(split_pages=True, **base))
+    plain = random_partials(tier_set, pdk.LaunchConfig(**base))
+    split = random_partials(tier_set, pdk.LaunchConfig(split_pages=True, **base))
     for x, y in zip(plain, split):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
@@ -62,8 +50,8 @@ def test_split_pages_change_the_64_slot_loop():
     # parts' running maxima and sums are taken in another order), and describe the
     # same attention: equal normalized outputs and log-sum-exps within float32.
     base = dict(dot_dtype="float32", logits_dtype="float32", transposed=True, page_lanes=2)
-    plain = partials("k8v4+k4v2 wide", pdk.LaunchConfig(**base), seed=2)
-    split = partials("k8v4+k4v2 wide", pdk.LaunchConfig(split_pages=True, **base), seed=2)
+    plain = random_partials("k8v4+k4v2 wide", pdk.LaunchConfig(**base), seed=2)
+    split = random_partials("k8v4+k4v2 wide", pdk.LaunchConfig(split_pages=True, **base), seed=2)
     assert not np.array_equal(np.asarray(plain[0]), np.asarray(split[0]))
     (o_a, m_a, l_a), (o_b, m_b, l_b) = ([np.asarray(x, np.float64) for x in p[:3]]
                                         for p in (plain, split))

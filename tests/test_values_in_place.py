@@ -7,7 +7,6 @@ against the launch without it (interpret mode, every quantized tier set, both ti
 orientations, lanes, work lists; compiled on the GPU, marked ``gpu``).
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from diffkv_jax import quantization as qz
 from pallas_kernels import code_convert
 from pallas_kernels import paged_decode as pdk
 
-from tests.test_paged_decode_kernel import TIER_SETS, check_kernel, make_tier
+from tests.test_paged_decode_kernel import TIER_SETS, check_kernel, random_partials
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
@@ -44,16 +43,6 @@ def test_values_in_place_match_reference(tier_set, pad, transposed, lanes, work_
                  tier_weights=(1, 2)[:len(TIER_SETS[tier_set])], values_in_place=True)
 
 
-def partials(tier_set, cfg, G=4, D=128, pad=8, seed=0):
-    rng = np.random.default_rng(seed)
-    S, H, P, NP = 3, 2, 24, 3
-    tiers = [make_tier(rng, pdk.TierFormat(kb, vb, D, cap), P, S, H, NP)[0]
-             for kb, vb, cap in TIER_SETS[tier_set]]
-    q = pdk.pad_group(jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32), pad)
-    return jax.tree.leaves(pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg,
-                                                     interpret=True))
-
-
 @pytest.mark.parametrize("tier_set", ["k8v4+k4v2 wide", "k2v2"])
 def test_values_in_place_agree_with_the_shifted_codes(tier_set):
     # Both launches' dots are exact (float16 codes and weights, float32 sums); they
@@ -65,8 +54,8 @@ def test_values_in_place_agree_with_the_shifted_codes(tier_set):
     # output).
     base = dict(dot_dtype="float16", logits_dtype="float32", transposed=True, page_lanes=2,
                 num_splits=2)
-    a = partials(tier_set, pdk.LaunchConfig(**base), seed=4)
-    b = partials(tier_set, pdk.LaunchConfig(values_in_place=True, **base), seed=4)
+    a = random_partials(tier_set, pdk.LaunchConfig(**base), seed=4)
+    b = random_partials(tier_set, pdk.LaunchConfig(values_in_place=True, **base), seed=4)
     (o_a, m_a, l_a), (o_b, m_b, l_b) = a[:3], b[:3]
     np.testing.assert_array_equal(np.asarray(m_a), np.asarray(m_b))
     np.testing.assert_array_equal(np.asarray(l_a), np.asarray(l_b))
@@ -78,8 +67,8 @@ def test_values_in_place_agree_with_the_shifted_codes(tier_set):
 
 def test_float32_codes_ignore_values_in_place():
     base = dict(dot_dtype="float32", logits_dtype="float32", transposed=True, page_lanes=2)
-    a = partials("k8v4+k4v2 wide", pdk.LaunchConfig(**base), seed=6)
-    b = partials("k8v4+k4v2 wide", pdk.LaunchConfig(values_in_place=True, **base), seed=6)
+    a = random_partials("k8v4+k4v2 wide", pdk.LaunchConfig(**base), seed=6)
+    b = random_partials("k8v4+k4v2 wide", pdk.LaunchConfig(values_in_place=True, **base), seed=6)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
