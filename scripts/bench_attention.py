@@ -16,7 +16,9 @@ the exact merge of the items. Bytes read = K/V data + metadata + page IDs. With
 ``--chain``, a profiler trace of the same chain also times the attention
 kernels alone (``kern.ms``: ours the decode launch and its merge, JAX's its
 kernel; without the chain's per-launch reduction and add and the gaps between
-kernels), with the bandwidth and speed-up on that time. Each variant is checked
+kernels), with the bandwidth and speed-up on that time, and prints each attention
+kernel's launch record from the trace once (registers per thread, shared memory,
+block, theoretical occupancy, as XLA compiled it). Each variant is checked
 against the plain-jnp reference on two rows of the same geometry first.
 
 ``--kernel-tiles queries,tokens`` times every quantized variant with both dot
@@ -112,8 +114,13 @@ def main() -> int:
                                                     plan_wave, tier_weights, work_items)
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
-    from scripts.decode_cases import (SHAPES, case_reference, chained_call, copy_bandwidth,
-                                      kernel_ms, random_case, time_chained_ms, time_launch_ms)
+    from scripts.decode_cases import (ATTENTION_KERNELS, SHAPES, case_reference, chained_call,
+                                      copy_bandwidth, kernel_ms, random_case, time_chained_ms,
+                                      time_launch_ms)
+    from scripts.device_profile import kernel_times
+
+    shown = set()
+    launch_records = []  # (kernel name, launch record) in the order first seen
 
     def timed(fn, q, *rest, prepare=None, threaded=False):
         """``(ms, kernel ms)``: the chained (or back-to-back) time per launch and, with
@@ -129,6 +136,11 @@ def main() -> int:
         if kms is None and kernels:
             print("no attention kernel in the trace: "
                   + ", ".join(f"{n[:40]} {t * 1e3:.1f} us" for n, t in kernels[:6]), flush=True)
+        for name, text in getattr(kernel_times, "details", {}).items():
+            if any(n in name for n in ATTENTION_KERNELS) and (name, text) not in shown:
+                shown.add((name, text))  # registers and occupancy as XLA compiled it
+                launch_records.append({"kernel": name, "record": text})
+                print(f"  launch {name[:48]}: {text}", flush=True)
         return ms, kms
 
     merges = {"rows": merge_rows, "segments": pdk.merge_work}
@@ -265,7 +277,8 @@ def main() -> int:
     def save():  # after every shape, so a run cut short keeps what it measured
         with open(args.json, "w") as fh:
             json.dump({"copy_bandwidth_tbps": bw, "device": jax.devices()[0].device_kind,
-                       "args": vars(args), "rows": rows}, fh, indent=1)
+                       "args": vars(args), "rows": rows, "launch_records": launch_records},
+                      fh, indent=1)
 
     bw = copy_bandwidth(args.copy_gib)
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.2f} TB/s; "

@@ -37,9 +37,12 @@ def kernel_times(run, calls: int = 5):
     # summaries) or hold annotations.
     streams = [ln for ln in gpu_lines if "stream" in ln.name.lower()] or gpu_lines
     gaps = defaultdict(float)  # idle ns on a stream before a kernel, by that kernel
+    details = {}
     for line in streams:
         events = sorted(line.events, key=lambda ev: ev.start_ns)
         for prev, ev in zip([None] + events[:-1], events):
+            if ev.name not in details:
+                details[ev.name] = launch_details(ev)
             total[ev.name] += ev.duration_ns
             count[ev.name] += 1
             if prev is not None:
@@ -50,9 +53,22 @@ def kernel_times(run, calls: int = 5):
                   key=lambda r: -r[1])
     kernel_times.last_lines = sorted({ln.name for ln in gpu_lines})
     kernel_times.launches = sum(count.values()) / calls
+    kernel_times.details = {n: d for n, d in details.items() if d}
     kernel_times.gaps = sorted(((n, g / calls / 1e6) for n, g in gaps.items()),
                                key=lambda r: -r[1])
     return rows, sum(r[1] for r in rows), wall * 1e3
+
+
+def launch_details(event) -> str:
+    """The profiler's launch record of a kernel event (registers per thread, static
+    and dynamic shared memory, grid, block, theoretical occupancy: the compile XLA
+    ran, which the ``triton`` package's compile in kernel_resources.py only
+    approximates), or "" where the trace holds none."""
+    try:
+        stats = dict(event.stats)
+    except (TypeError, ValueError):
+        return ""
+    return str(stats.get("kernel_details", "")).strip()
 
 
 def print_kernel_times(title: str, rows, busy_ms: float, wall_ms: float, top: int = 15):

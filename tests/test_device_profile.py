@@ -1,6 +1,6 @@
 """The profile helpers of the GPU benchmarks, on constructed kernel lists."""
 
-from scripts.device_profile import step_parts
+from scripts.device_profile import launch_details, step_parts
 
 
 def test_step_parts_sums_kernels_by_kind():
@@ -14,3 +14,15 @@ def test_step_parts_sums_kernels_by_kind():
                      "matmuls": 0.25 + 0.07, "cache writes": 0.12 + 0.1 + 0.15 + 0.05,
                      "other": 0.22, "copies": 0.01}
     assert abs(sum(parts.values()) - sum(ms for _, ms, _ in rows)) < 1e-12
+
+
+class _Event:
+    def __init__(self, stats):
+        self.stats = stats
+
+
+def test_launch_details_reads_the_kernel_record():
+    record = "regs:196 static_shared:0 dynamic_shared:15380 grid:2048,1,1 block:32,1,1 occ_pct:12.5"
+    assert launch_details(_Event([("correlation_id", 7), ("kernel_details", record)])) == record
+    assert launch_details(_Event([("correlation_id", 7)])) == ""
+    assert launch_details(_Event(None)) == ""

@@ -209,15 +209,16 @@ def _serve(cfg, params, method, prompts, max_new: int, steps: int, dtype=jnp.flo
             None if scores is None else np.asarray(scores), method.memory_stats(eng.state))
 
 
-def _score_tolerance(compiled: bool) -> dict:
-    """How closely two merges' scores agree after 30 steps. With float32 dots
-    (interpret mode) they differ by rounding alone. Compiled, the dots take float16
-    operands: a rounding difference in the merge moves a query element or a logit
-    across a float16 rounding boundary some steps later, and the scores then differ
-    by up to ~2e-3 relative (the same serving in interpret mode with the launch's
-    float16 operands: at most 1.6e-3 on scores up to 12). A merge that loses or
-    mis-weights a partial is off by far more."""
-    return dict(rtol=5e-3, atol=2e-3) if compiled else dict(rtol=1e-4, atol=1e-5)
+def _score_tolerance(compiled: bool, rtol: float = 1e-4, atol: float = 1e-5) -> dict:
+    """How closely the scores of two launches that sum differently (two merges, two
+    tilings) agree after 30 steps. With float32 dots (interpret mode) they differ by
+    rounding alone (``rtol``, ``atol``). Compiled, the dots take float16 operands: a
+    rounding difference moves a query element or a logit across a float16 rounding
+    boundary some steps later, and the scores then differ by up to ~5e-3 relative
+    (the same serving in interpret mode with the launch's float16 operands: at most
+    1.6e-3 on scores up to 12 for the merges, 2.4e-3 on scores up to 6.8 for the
+    tilings). A launch that loses or mis-weights a partial is off by far more."""
+    return dict(rtol=5e-3, atol=2e-3) if compiled else dict(rtol=rtol, atol=atol)
 
 
 def _serve_both(cfg, params, prompts, methods):
@@ -298,7 +299,7 @@ def test_token_tiles_serve_the_same_tokens(tiny_model, compiled):
     runs = _serve_both(cfg, params, prompts, (queries, tokens))
     assert runs[0][2]["frac_low"] > 0
     assert abs(runs[0][2]["frac_low"] - runs[1][2]["frac_low"]) < 0.02
-    np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=2e-3, atol=1e-4)
+    np.testing.assert_allclose(runs[1][1], runs[0][1], **_score_tolerance(compiled, 2e-3, 1e-4))
     with pytest.raises(ValueError, match="kernel_tiles"):
         dataclasses.replace(queries, kernel_tiles="columns")
 
