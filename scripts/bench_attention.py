@@ -55,7 +55,8 @@ plan moves a row's cut onto its tier boundary (``plan_work(snap=)``), ``vp=1``
 the value codes' slices left at their bit offsets
 (``LaunchConfig.values_in_place``), ``sp=1`` K4V2's pages walked a page per
 step, half a page per lane (``LaunchConfig.split_pages``), ``ms=1`` each lane's
-metadata loaded once and chosen per column (``LaunchConfig.lane_meta_select``);
+metadata loaded once and chosen per column (``LaunchConfig.lane_meta_select``),
+``pl`` the page lanes (``LaunchConfig.page_lanes``; fewer hold fewer registers);
 labelled
 ``<variant>/tokens[setting]``.
 
@@ -97,7 +98,9 @@ def main() -> int:
                         "n=N (work items), wave=N (items run at once, 0: off), st=N (pipeline "
                         "stages), nw=N (warps), lg=16|32 (logits' bits), "
                         "m=rows|segments|last (the merge), el=0|1 (the row's loads before "
-                        "the first loop: LaunchConfig.early_row_loads)")
+                        "the first loop: LaunchConfig.early_row_loads), sn=P (cuts onto the "
+                        "tier boundary), vp=0|1, sp=0|1, ms=0|1 (values in place, split "
+                        "pages, lanes' metadata once), pl=1|2|4 (page lanes)")
     p.add_argument("--no-kernel-time", action="store_true",
                    help="with --chain, skip the profiler trace that times the attention "
                         "kernels alone")
@@ -175,10 +178,12 @@ def main() -> int:
                 out["split_pages"] = val == "1"
             elif k == "ms" and val in ("0", "1"):
                 out["lane_meta_select"] = val == "1"
+            elif k == "pl" and val in ("1", "2", "4"):
+                out["page_lanes"] = int(val)
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
                                  "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), "
-                                 "vp=0|1, sp=0|1, ms=0|1)")
+                                 "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -216,7 +221,8 @@ def main() -> int:
                                                                 "early_row_loads",
                                                                 "values_in_place",
                                                                 "split_pages",
-                                                                "lane_meta_select")
+                                                                "lane_meta_select",
+                                                                "page_lanes")
                                           if k in tune})
         tile_rows = pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)

@@ -18,6 +18,7 @@
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
 #   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
 #   bash scripts/h200_figures.sh codes-engine # the engine's GPU tests with values in place and the lanes' metadata once
+#   bash scripts/h200_figures.sh registers    # fewer registers for 12 programs per multiprocessor: one page lane, a ptxas cap
 #   bash scripts/h200_figures.sh smollm2      # the embedded model's shapes, as the caches launch
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
@@ -147,6 +148,18 @@ dka.VALUES_IN_PLACE = dka.LANE_META_SELECT = True
 sys.exit(pytest.main(["-q", "-m", "gpu", "tests/test_diffkv_kernel_path.py"]))
 EOF
     ;;
+  registers)
+    # XLA compiles the decode launch to 196 - 223 registers; 12 one-warp programs per
+    # multiprocessor need at most 168. One page lane holds fewer; the ptxas cap
+    # (-maxrregcount, every kernel of the process) forces it. The launch records
+    # printed say what each compile got.
+    BENCH="python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096
+      --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32"
+    $BENCH --tune "m=last,vp=1,ms=1;m=last,vp=1,pl=1;m=last,vp=1,pl=1,wave=1584" \
+      --json "$OUT/bench_attention_lanes_b32.json"
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_asm_extra_flags=-maxrregcount=168" \
+      $BENCH --tune "m=last,vp=1,ms=1;m=last,vp=1,ms=1,wave=1584" \
+      --json "$OUT/bench_attention_maxreg168_b32.json" ;;
   smollm2)
     # SmolLM2-135M's heads (9 q / 3 KV, d = 64) with the caches' launch: token tiles, the
     # one-wave plan, the merge in its own launch and inside the decode launch
