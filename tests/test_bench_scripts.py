@@ -235,3 +235,17 @@ def test_attention_time_split_runs_every_setting(tmp_path):
     assert [(r["wave"], r["logits"]) for r in rows] == [
         (None, True), (None, False), (12, True), (12, False)]
     assert all(r["kern_ms"] > 0 and r["full_ms"] > 0 and r["bytes"] > 0 for r in rows)
+
+
+def test_float16_dot_serving_holds_the_compiled_tolerance(tmp_path):
+    # The compiled engine comparisons' score tolerance (rtol 5e-3, atol 2e-3), with
+    # the launch forced to the GPU's float16 dot operands here: the same greedy
+    # tokens and every score within it, with the value codes in place or not.
+    out = tmp_path / "f16.json"
+    run_script("float16_dot_serving.py", "--pair", "tiles", "--rtol", "5e-3", "--atol", "2e-3",
+               "--json", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["options"] for r in rows] == ["off", "on"]
+    for r in rows:
+        assert r["same_tokens"] and r["max_err_over_allowed"] < 1 and r["over"] == 0
+        assert 0 < r["max_abs_err"] < 5e-3 and r["scores"] > 1000
