@@ -122,8 +122,7 @@ def main() -> int:
                                       time_launch_ms)
     from scripts.device_profile import kernel_times
 
-    shown = set()
-    launch_records = []  # (kernel name, launch record) in the order first seen
+    launch_records = []  # {kernel, record}, each distinct one once, in the order first seen
 
     def timed(fn, q, *rest, prepare=None, threaded=False):
         """``(ms, kernel ms)``: the chained (or back-to-back) time per launch and, with
@@ -140,9 +139,9 @@ def main() -> int:
             print("no attention kernel in the trace: "
                   + ", ".join(f"{n[:40]} {t * 1e3:.1f} us" for n, t in kernels[:6]), flush=True)
         for name, text in getattr(kernel_times, "details", {}).items():
-            if any(n in name for n in ATTENTION_KERNELS) and (name, text) not in shown:
-                shown.add((name, text))  # registers and occupancy as XLA compiled it
-                launch_records.append({"kernel": name, "record": text})
+            record = {"kernel": name, "record": text}  # registers, occupancy as XLA compiled
+            if any(n in name for n in ATTENTION_KERNELS) and record not in launch_records:
+                launch_records.append(record)
                 print(f"  launch {name[:48]}: {text}", flush=True)
         return ms, kms
 

@@ -15,9 +15,10 @@ against a tolerance:
 
 Pairs: ``tiles`` (query against token tiles, both merged in the policy launch),
 ``policy-merge`` (XLA's merge against the policy launch's), ``launch-merge``
-(the policy launch's merge against the attention launch's). The model is the
-tests' tiny random model at head dim 64 with their compiled settings (pages of
-16 tokens, 40 and 70 token prompts, 40 new tokens, 30 steps).
+(the policy launch's merge against the attention launch's). The model, prompts,
+settings and serving loop are the tests' own (tests/test_diffkv_kernel_path.py,
+as compiled: head dim 64, pages of 16 tokens, 40 and 70 token prompts, 40 new
+tokens, 30 steps).
 """
 
 import argparse
@@ -30,13 +31,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-#: The tests' tiny model (tests/conftest.py), at the head dim the compiled tests use.
-TINY = dict(name="tiny", vocab_size=97, hidden_size=64, intermediate_size=128, num_layers=3,
-            num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0,
-            max_position_embeddings=512, tie_word_embeddings=False, qkv_bias=True)
 
 #: (first method's options, second's), over the compiled tests' DiffKV settings.
 PAIRS = {
@@ -47,20 +42,6 @@ PAIRS = {
 }
 #: The seed of each pair's prompts in the tests.
 SEEDS = {"tiles": 12, "policy-merge": 8, "launch-merge": 10}
-
-
-def serve(cfg, params, method, prompts, max_new: int = 40, steps: int = 30):
-    """(greedy outputs, policy scores, memory stats) after ``steps`` engine steps."""
-    from diffkv_jax.engine import Engine
-    from diffkv_jax.generation import SamplingParams
-
-    eng = Engine(cfg, params, method, num_pages=2 * method.pages_for_tokens(128) + 64,
-                 dtype=jnp.float32)
-    ids = [eng.add_request(p, SamplingParams(max_new_tokens=max_new)) for p in prompts]
-    for _ in range(steps):
-        eng.step()
-    return ([eng.requests[i].output for i in ids], np.asarray(eng.state.scores),
-            method.memory_stats(eng.state))
 
 
 def main() -> int:
@@ -75,16 +56,11 @@ def main() -> int:
     args = p.parse_args()
 
     from diffkv_jax import diffkv_kernel_attention as dka
-    from diffkv_jax.methods import make_method
-    from models.config import ModelConfig
-    from models.llama import init_params
+    # The tests' own model, prompts, settings and serving loop, as they run compiled.
+    from tests.conftest import TINY
+    from tests.test_diffkv_kernel_path import _kernel_method, _serve, _two_prompts
 
-    cfg = ModelConfig(**TINY)
-    params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
-    rng = np.random.default_rng(SEEDS[args.pair])
-    prompts = [list(rng.integers(0, cfg.vocab_size, size=n)) for n in (40, 70)]
-    base = dict(max_seqs=2, max_context=128, page_size=16, window=8, attention_impl="pallas",
-                alpha_high=1.0, alpha_low=0.05)
+    cfg, params, prompts = _two_prompts((TINY, None), True, seed=SEEDS[args.pair])
     launch = dka._launch
     rows = []
     print(f"pair {args.pair}; tolerance rtol {args.rtol:g}, atol {args.atol:g}; "
@@ -103,23 +79,24 @@ def main() -> int:
         dka._launch = forced
         try:
             t0 = time.perf_counter()
-            runs = [serve(cfg, params, make_method("diffkv", cfg, **base, **o), prompts)
-                    for o in PAIRS[args.pair]]
+            runs = [_serve(cfg, params, _kernel_method(cfg, True, **o), prompts,
+                           max_new=40, steps=30) for o in PAIRS[args.pair]]
         finally:
             dka._launch = launch
         a, b = runs[1][1], runs[0][1]
         err = np.abs(a - b)
         allowed = args.atol + args.rtol * np.abs(b)
-        rows.append(dict(options=opt, same_tokens=runs[0][0] == runs[1][0],
-                         frac_low=[runs[0][2]["frac_low"], runs[1][2]["frac_low"]],
-                         max_err_over_allowed=float((err / allowed).max()),
-                         over=int((err > allowed).sum()), scores=int(err.size),
-                         max_abs_err=float(err.max()), max_score=float(np.abs(b).max())))
-        print(f"{opt:8s} {str(runs[0][0] == runs[1][0]):12s} "
-              f"{runs[0][2]['frac_low']:.3f}, {runs[1][2]['frac_low']:.3f}   "
-              f"{(err / allowed).max():17.2f}  {int((err > allowed).sum()):4d}   "
-              f"{err.max():11.2e}  {np.abs(b).max():11.2f}  {time.perf_counter() - t0:4.0f} s",
-              flush=True)
+        r = dict(options=opt, same_tokens=runs[0][0] == runs[1][0],
+                 frac_low=[runs[0][2]["frac_low"], runs[1][2]["frac_low"]],
+                 max_err_over_allowed=float((err / allowed).max()),
+                 over=int((err > allowed).sum()), scores=int(err.size),
+                 max_abs_err=float(err.max()), max_score=float(np.abs(b).max()))
+        rows.append(r)
+        print(f"{opt:8s} {str(r['same_tokens']):12s} "
+              f"{r['frac_low'][0]:.3f}, {r['frac_low'][1]:.3f}   "
+              f"{r['max_err_over_allowed']:17.2f}  {r['over']:4d}   "
+              f"{r['max_abs_err']:11.2e}  {r['max_score']:11.2f}  "
+              f"{time.perf_counter() - t0:4.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"pair": args.pair, "rtol": args.rtol, "atol": args.atol, "rows": rows},
