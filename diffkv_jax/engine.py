@@ -61,7 +61,7 @@ import numpy as np
 from diffkv_jax import memory_budget, row_swap
 from diffkv_jax.batch import DecodeBatch, PrefillBatch
 from diffkv_jax.generation import (GenerationInputError, Generator, SamplingParams,
-                                   decode_width, next_pow2, page_width,
+                                   decode_width, next_pow2,
                                    prompt_bucket, prompt_page_width)
 from diffkv_jax.steps import GROWTH_STEPS, pool_counts
 

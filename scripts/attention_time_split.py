@@ -90,7 +90,7 @@ def main() -> int:
                     if ci == 0 and mi == 0 and emit:
                         zero = jnp.float32(0)
                         traced, busy, wall = kernel_times(
-                            lambda: jax.block_until_ready(chain(qg, zero, tiers)), calls=5)
+                            lambda t=tiers: jax.block_until_ready(chain(qg, zero, t)), calls=5)
                         per = 1e3 / args.chain  # ms per call -> us per launch
                         print(f"trace, wave={wave}: wall {wall * per:.1f} us per launch, "
                               f"kernels {busy * per:.1f} us", flush=True)

@@ -142,7 +142,7 @@ def main() -> int:
             if args.profile:
                 from scripts.device_profile import kernel_times, print_kernel_times
                 f = layers(attend)
-                attn_prof = kernel_times(lambda: jax.block_until_ready(f(xs)), calls=3)
+                attn_prof = kernel_times(lambda x=xs: jax.block_until_ready(f(x)), calls=3)
                 print_kernel_times(f"  attention ({L} layers)", *attn_prof, top=4)
             # Each layer's softmax statistics, for timing the scores alone from them.
             lses = list(layers(lambda q, k, v: attention_lse(q, k, v, lengths)[1])(xs))
@@ -180,7 +180,7 @@ def main() -> int:
                     # Device time only: the kernels' busy time with the scores over
                     # the attention's alone (host gaps left out).
                     f = layers(layer)
-                    prof = kernel_times(lambda: jax.block_until_ready(f(xs)), calls=3)
+                    prof = kernel_times(lambda x=xs: jax.block_until_ready(f(x)), calls=3)
                     print_kernel_times(f"  {name} (attention + scores, {L} layers)", *prof,
                                        top=6)
                     if attn_prof[1]:

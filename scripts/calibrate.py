@@ -82,7 +82,6 @@ def main() -> int:
     args = p.parse_args()
 
     import jax.numpy as jnp
-    import numpy as np
 
     from diffkv_jax.evaluation.datasets import load_passkey, long_text_documents
     from diffkv_jax.evaluation.tasks import passkey_score
