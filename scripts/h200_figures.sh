@@ -150,16 +150,20 @@ EOF
     ;;
   registers)
     # XLA compiles the decode launch to 196 - 223 registers; 12 one-warp programs per
-    # multiprocessor need at most 168. One page lane holds fewer; the ptxas cap
-    # (-maxrregcount, every kernel of the process) forces it. The launch records
-    # printed say what each compile got.
+    # multiprocessor need at most 168, 16 at most 128. One page lane holds fewer; the
+    # ptxas cap (--maxrregcount through XLA's xla_gpu_ptx_compiler_extra_flags, every
+    # kernel of the process) forces it. The launch records printed say what each
+    # compile got. REG_CAPS: the caps tried (default "168 128").
     BENCH="python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096
       --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32"
+    for CAP in ${REG_CAPS:-168 128}; do
+      W=1584; [ "$CAP" -le 128 ] && W=2112
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_ptx_compiler_extra_flags=--maxrregcount=$CAP" \
+        $BENCH --tune "m=last,vp=1,ms=1;m=last,vp=1,ms=1,wave=$W" \
+        --json "$OUT/bench_attention_maxreg${CAP}_b32.json"
+    done
     $BENCH --tune "m=last,vp=1,ms=1;m=last,vp=1,pl=1;m=last,vp=1,pl=1,wave=1584" \
-      --json "$OUT/bench_attention_lanes_b32.json"
-    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_asm_extra_flags=-maxrregcount=168" \
-      $BENCH --tune "m=last,vp=1,ms=1;m=last,vp=1,ms=1,wave=1584" \
-      --json "$OUT/bench_attention_maxreg168_b32.json" ;;
+      --json "$OUT/bench_attention_lanes_b32.json" ;;
   smollm2)
     # SmolLM2-135M's heads (9 q / 3 KV, d = 64) with the caches' launch: token tiles, the
     # one-wave plan, the merge in its own launch and inside the decode launch
