@@ -133,6 +133,22 @@ def test_compiled_early_loads_give_identical_partials_on_gpu(tier_set, D, G, pad
                                          padded_rows=pad, interpret=False)
 
     plain, early = both_ways(run, cfg)
-    assert np.isfinite(np.asarray(plain[0])).all()
-    for x, y in zip(plain, early):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_equal_where_written(plain, early, work, tiers)
+
+
+def assert_equal_where_written(plain, early, work, tiers):
+    """The launch's outputs compared where it stores them: the used items' partials
+    and each tier's logits below its token count. The rest of a compiled launch's
+    buffers is never written and holds whatever the memory held (interpret mode
+    fills it, so the tests there compare everything)."""
+    plain, early = [np.asarray(x) for x in plain], [np.asarray(x) for x in early]
+    assert len(plain) == len(early) == 3 + len(tiers)
+    used = np.asarray(work.seg) < work.num_rows
+    assert used.any() and np.isfinite(plain[0][used]).all()
+    for x, y in zip(plain[:3], early[:3]):
+        np.testing.assert_array_equal(x[used], y[used])
+    for x, y, t in zip(plain[3:], early[3:], tiers):
+        valid = np.arange(x.shape[-1]) < np.asarray(t.n_tok)[..., None]  # [S, H, positions]
+        valid = np.broadcast_to(valid[:, :, None, :], x.shape)
+        assert valid.any()
+        np.testing.assert_array_equal(x[valid], y[valid])
