@@ -106,14 +106,15 @@ def min_item_units(weights=(), pages: int = 2) -> int:
 
 
 #: The value codes' slices left at their bit offsets in the quantized launches
-#: (``LaunchConfig.values_in_place``: fewer instructions per token).
-VALUES_IN_PLACE = False
+#: (``LaunchConfig.values_in_place``: fewer instructions per token; with
+#: :data:`LANE_META_SELECT` about 2 µs off a 32 x 4K launch on the H200).
+VALUES_IN_PLACE = True
 #: K4V2's 64-slot pages walked a page per step, half a page per lane
-#: (``LaunchConfig.split_pages``).
+#: (``LaunchConfig.split_pages``; measured no faster, so off).
 SPLIT_PAGES = False
 #: Page lanes' metadata loaded once per lane and chosen per query column
 #: (``LaunchConfig.lane_meta_select``).
-LANE_META_SELECT = False
+LANE_META_SELECT = True
 
 
 def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,

@@ -17,8 +17,8 @@
 #   bash scripts/h200_figures.sh weights      # low pages weighed 15 / 8 of a high page (cuts on the tier boundary too), B = 32
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
 #   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
-#   bash scripts/h200_figures.sh codes-engine # the engine's GPU tests with values in place and the lanes' metadata once
-#   bash scripts/h200_figures.sh registers    # fewer registers for 12 programs per multiprocessor: one page lane, a ptxas cap
+#   bash scripts/h200_figures.sh codes-engine # the engine's GPU tests with values in place and the lanes' metadata once off
+#   bash scripts/h200_figures.sh registers    # fewer registers for 12 / 16 programs per multiprocessor: a ptxas cap, one page lane
 #   bash scripts/h200_figures.sh smollm2      # the embedded model's shapes, as the caches launch
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
@@ -135,7 +135,7 @@ case "${1:-}" in
       --tune "m=last;m=last,vp=1;m=last,vp=1,ms=1;m=last,vp=1,ms=1,sp=1" \
       --json "$OUT/bench_attention_codes_b32.json" ;;
   codes-engine)
-    # the caches' GPU tests with two of those options on (their defaults are off):
+    # the caches' GPU tests with two of those options off (their defaults are on):
     # the module's switches set before the tests run in the same process
     python - <<'EOF'
 import sys
@@ -144,25 +144,35 @@ import pytest
 
 from diffkv_jax import diffkv_kernel_attention as dka
 
-dka.VALUES_IN_PLACE = dka.LANE_META_SELECT = True
+dka.VALUES_IN_PLACE = dka.LANE_META_SELECT = False
 sys.exit(pytest.main(["-q", "-m", "gpu", "tests/test_diffkv_kernel_path.py"]))
 EOF
     ;;
   registers)
     # XLA compiles the decode launch to 196 - 223 registers; 12 one-warp programs per
-    # multiprocessor need at most 168, 16 at most 128. One page lane holds fewer; the
-    # ptxas cap (--maxrregcount through XLA's xla_gpu_ptx_compiler_extra_flags, every
-    # kernel of the process) forces it. The launch records printed say what each
-    # compile got. REG_CAPS: the caps tried (default "168 128").
+    # multiprocessor need at most 168, 16 at most 128. jaxlib turns a Pallas Triton
+    # kernel's PTX into a cubin at its first launch, with the ptxas flags of
+    # JAX_TRITON_PTXAS_EXTRA_FLAGS (XLA_FLAGS do not reach it: docs/benchmarks.md
+    # 3.0.0n); ptxas ignores --maxrregcount for a kernel whose PTX fixes its block size
+    # (.reqntid) unless --override-directive-values. JAX's own kernel takes 109
+    # registers, under either cap. One page lane holds fewer registers without a cap.
+    # The launch records printed say what each compile got.
+    python - <<'EOF'
+import glob, os, jax
+site = os.path.dirname(jax.__path__[0])
+libs = [f for pat in ("jax*_plugin*", "jaxlib")
+        for f in glob.glob(os.path.join(site, pat, "**", "*.so"), recursive=True)]
+print("JAX_TRITON_PTXAS_EXTRA_FLAGS in", [os.path.basename(f) for f in libs
+      if b"JAX_TRITON_PTXAS_EXTRA_FLAGS" in open(f, "rb").read()])
+EOF
     BENCH="python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096
       --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32"
     for CAP in ${REG_CAPS:-168 128}; do
       W=1584; [ "$CAP" -le 128 ] && W=2112
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_ptx_compiler_extra_flags=--maxrregcount=$CAP" \
-        $BENCH --tune "m=last,vp=1,ms=1;m=last,vp=1,ms=1,wave=$W" \
-        --json "$OUT/bench_attention_maxreg${CAP}_b32.json"
+      JAX_TRITON_PTXAS_EXTRA_FLAGS="--maxrregcount=$CAP --override-directive-values" \
+        $BENCH --tune "m=last;m=last,wave=$W" --json "$OUT/bench_attention_maxreg${CAP}_b32.json"
     done
-    $BENCH --tune "m=last,vp=1,ms=1;m=last,vp=1,pl=1;m=last,vp=1,pl=1,wave=1584" \
+    $BENCH --tune "m=last;m=last,pl=1;m=last,pl=1,wave=1584" \
       --json "$OUT/bench_attention_lanes_b32.json" ;;
   smollm2)
     # SmolLM2-135M's heads (9 q / 3 KV, d = 64) with the caches' launch: token tiles, the
