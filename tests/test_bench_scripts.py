@@ -249,4 +249,3 @@ def test_float16_dot_serving_holds_the_compiled_tolerance(tmp_path):
     for r in rows:
         assert r["same_tokens"] and r["max_err_over_allowed"] < 1 and r["over"] == 0
         assert 0 < r["max_abs_err"] < 5e-3 and r["scores"] > 1000
-
