@@ -48,8 +48,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pair", default="tiles", choices=sorted(PAIRS))
     p.add_argument("--options", default="off,on",
-                   help="','-list: off (the caches' launch), on (values in place and "
-                        "each lane's metadata once)")
+                   help="','-list: off (values in place and each lane's metadata once "
+                        "both off), on (both on: the caches' launch)")
     p.add_argument("--rtol", type=float, default=2e-3)
     p.add_argument("--atol", type=float, default=1e-4)
     p.add_argument("--json", default="", help="also write the rows here")

@@ -132,7 +132,7 @@ case "${1:-}" in
       tests/test_lane_meta_select.py
     python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
       --variants jax-bf16,diffkv-high,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
-      --tune "m=last;m=last,vp=1;m=last,vp=1,ms=1;m=last,vp=1,ms=1,sp=1" \
+      --tune "m=last,vp=0,ms=0;m=last,vp=1,ms=0;m=last,vp=1,ms=1;m=last,vp=1,ms=1,sp=1" \
       --json "$OUT/bench_attention_codes_b32.json" ;;
   codes-engine)
     # the caches' GPU tests with two of those options off (their defaults are on):
@@ -149,7 +149,7 @@ sys.exit(pytest.main(["-q", "-m", "gpu", "tests/test_diffkv_kernel_path.py"]))
 EOF
     ;;
   registers)
-    # XLA compiles the decode launch to 196 - 223 registers; 12 one-warp programs per
+    # The decode launch compiles to 196 - 223 registers; 12 one-warp programs per
     # multiprocessor need at most 168, 16 at most 128. jaxlib turns a Pallas Triton
     # kernel's PTX into a cubin at its first launch, with the ptxas flags of
     # JAX_TRITON_PTXAS_EXTRA_FLAGS (XLA_FLAGS do not reach it: docs/benchmarks.md
@@ -194,6 +194,6 @@ EOF
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|weights|weights-b128|codes|codes-engine|smollm2|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|weights|weights-b128|codes|codes-engine|registers|smollm2|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac

@@ -133,18 +133,19 @@ def test_compiled_early_loads_give_identical_partials_on_gpu(tier_set, D, G, pad
                                          padded_rows=pad, interpret=False)
 
     plain, early = both_ways(run, cfg)
+    used = np.asarray(work.seg) < work.num_rows
+    assert used.any() and np.isfinite(np.asarray(plain[0])[used]).all()
     assert_equal_where_written(plain, early, work, tiers)
 
 
 def assert_equal_where_written(plain, early, work, tiers):
-    """The launch's outputs compared where it stores them: the used items' partials
-    and each tier's logits below its token count. The rest of a compiled launch's
-    buffers is never written and holds whatever the memory held (interpret mode
-    fills it, so the tests there compare everything)."""
+    """A launch's outputs ``[o, m, l, *logits]`` compared where it stores them: the
+    used items' partials and each tier's logits below its token count. The rest of
+    a compiled launch's buffers is never written and holds whatever the memory held
+    (interpret mode fills it, so the tests there compare everything)."""
     plain, early = [np.asarray(x) for x in plain], [np.asarray(x) for x in early]
     assert len(plain) == len(early) == 3 + len(tiers)
     used = np.asarray(work.seg) < work.num_rows
-    assert used.any() and np.isfinite(plain[0][used]).all()
     for x, y in zip(plain[:3], early[:3]):
         np.testing.assert_array_equal(x[used], y[used])
     for x, y, t in zip(plain[3:], early[3:], tiers):

@@ -23,7 +23,7 @@ from pallas_kernels.paged_decode import TRACE_COLUMNS
 from scripts.program_timeline import (grade_items, label, merge_excess, parse_settings,
                                       reorder_items, summarize, tail_split)
 
-from tests.test_early_row_loads import launch_case
+from tests.test_early_row_loads import assert_equal_where_written, launch_case
 from tests.test_paged_decode_kernel import lowering_tiers
 
 D, G = 128, 4
@@ -192,18 +192,11 @@ def test_compiled_trace_on_gpu(merged):
     has_items = np.bincount(np.asarray(work.seg)[used], minlength=work.num_rows) > 0
     has_items = has_items.reshape(q.shape[:2])
     n_merged = 4 if merged else 0
-    for x, y in zip(plain[:3], traced[:3]):
-        np.testing.assert_array_equal(x[used], y[used])
     for x, y in zip(plain[3:3 + n_merged], traced[3:3 + n_merged]):
         np.testing.assert_array_equal(x if x.ndim == 1 else x[has_items],
                                       y if y.ndim == 1 else y[has_items])
-    logits = list(zip(plain[3 + n_merged:], traced[3 + n_merged:]))
-    assert len(logits) == len(tiers)
-    for (x, y), t in zip(logits, tiers):
-        valid = np.arange(x.shape[-1]) < np.asarray(t.n_tok)[..., None]  # [S, H, positions]
-        valid = np.broadcast_to(valid[:, :, None, :], x.shape)
-        assert valid.any()
-        np.testing.assert_array_equal(x[valid], y[valid])
+    assert_equal_where_written(plain[:3] + plain[3 + n_merged:],
+                               traced[:3] + traced[3 + n_merged:], work, tiers)
 
 
 def test_settings_parse_and_refuse_unknown_ones():
