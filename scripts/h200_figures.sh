@@ -18,7 +18,7 @@
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
 #   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
 #   bash scripts/h200_figures.sh codes-engine # the engine's GPU tests with values in place and the lanes' metadata once off
-#   bash scripts/h200_figures.sh registers    # fewer registers for 12 / 16 programs per multiprocessor: a ptxas cap, one page lane
+#   bash scripts/h200_figures.sh registers    # ptxas register caps (XLA_FLAGS) for 12 / 14 programs per multiprocessor
 #   bash scripts/h200_figures.sh smollm2      # the embedded model's shapes, as the caches launch
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
@@ -149,31 +149,19 @@ sys.exit(pytest.main(["-q", "-m", "gpu", "tests/test_diffkv_kernel_path.py"]))
 EOF
     ;;
   registers)
-    # The decode launch compiles to 196 - 223 registers; 12 one-warp programs per
-    # multiprocessor need at most 168, 16 at most 128. jaxlib turns a Pallas Triton
-    # kernel's PTX into a cubin at its first launch, with the ptxas flags of
-    # JAX_TRITON_PTXAS_EXTRA_FLAGS (XLA_FLAGS do not reach it: docs/benchmarks.md
-    # 3.0.0n); ptxas ignores --maxrregcount for a kernel whose PTX fixes its block size
-    # (.reqntid) unless --override-directive-values. JAX's own kernel takes 109
-    # registers, under either cap. One page lane holds fewer registers without a cap.
-    # The launch records printed say what each compile got.
-    python - <<'EOF'
-import glob, os, jax
-site = os.path.dirname(jax.__path__[0])
-libs = [f for pat in ("jax*_plugin*", "jaxlib")
-        for f in glob.glob(os.path.join(site, pat, "**", "*.so"), recursive=True)]
-print("JAX_TRITON_PTXAS_EXTRA_FLAGS in", [os.path.basename(f) for f in libs
-      if b"JAX_TRITON_PTXAS_EXTRA_FLAGS" in open(f, "rb").read()])
-EOF
-    BENCH="python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096
-      --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32"
+    # The decode launch compiles to 196 - 223 registers: 8 one-warp programs per
+    # multiprocessor; 12 need at most 168, 14 (its shared memory's limit) at most 128.
+    # Under jax 0.11 a Pallas Triton kernel is XLA's Triton custom call, so XLA's ptxas
+    # flags reach it, but ptxas ignores --maxrregcount for PTX that fixes its block
+    # size (.reqntid) unless --override-directive-values. The flags apply to every
+    # kernel of the process. The launch records printed say what each compile got.
     for CAP in ${REG_CAPS:-168 128}; do
-      W=1584; [ "$CAP" -le 128 ] && W=2112
-      JAX_TRITON_PTXAS_EXTRA_FLAGS="--maxrregcount=$CAP --override-directive-values" \
-        $BENCH --tune "m=last;m=last,wave=$W" --json "$OUT/bench_attention_maxreg${CAP}_b32.json"
-    done
-    $BENCH --tune "m=last;m=last,pl=1;m=last,pl=1,wave=1584" \
-      --json "$OUT/bench_attention_lanes_b32.json" ;;
+      W=1584; [ "$CAP" -le 128 ] && W=1848
+      XLA_FLAGS="--xla_gpu_ptx_compiler_extra_flags='--maxrregcount=$CAP --override-directive-values'" \
+        python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
+        --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
+        --tune "m=last,wave=$W" --json "$OUT/bench_attention_xlacap${CAP}_b32.json"
+    done ;;
   smollm2)
     # SmolLM2-135M's heads (9 q / 3 KV, d = 64) with the caches' launch: token tiles, the
     # one-wave plan, the merge in its own launch and inside the decode launch

@@ -117,21 +117,41 @@ def test_gpu_lowering_issues_the_row_loads_before_the_first_loop(transposed):
     assert plain_masked == 0 and masked == (2 if transposed else 1) + 1
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tier_set,D,G,pad,kw", [
+COMPILED_CASES = [
     ("k8v4+k4v2 wide", 128, 4, 8, dict(transposed=True, page_lanes=2, tier_weights=(1, 2))),
-    ("k8v4+k4v2", 64, 3, None, {}),
+    # a group of 3 is padded to 16 rows inside the launch, as the caches launch it
+    # (a compiled launch's tiles need power-of-two rows)
+    ("k8v4+k4v2", 64, 3, 16, {}),
     ("16bit", 128, 4, None, {}),
-])
-def test_compiled_early_loads_give_identical_partials_on_gpu(tier_set, D, G, pad, kw):
+]
+
+
+def compiled_case(tier_set, D, G, pad, kw):
+    """(q, work, cfg, run) of a compiled launch case: ``run(cfg)`` launches it."""
     q, tiers = launch_case(tier_set, D, G, seed=5)
     cfg = pdk.LaunchConfig(**kw)
     work = pdk.plan_work(pdk.row_pages(tiers, weights=cfg.tier_weights), 64)
 
-    def run(c):
+    def run(c, q=q):
         return pdk.paged_decode_partials(q, tiers, group=G, cfg=c, work=work,
                                          padded_rows=pad, interpret=False)
 
+    return q, tiers, work, cfg, run
+
+
+@pytest.mark.parametrize("tier_set,D,G,pad,kw", COMPILED_CASES)
+def test_compiled_cases_lower_for_cuda(tier_set, D, G, pad, kw):
+    # The GPU test's launches, lowered for CUDA here (no GPU needed), both ways.
+    q, _, _, cfg, run = compiled_case(tier_set, D, G, pad, kw)
+    for early in (False, True):
+        c = dataclasses.replace(cfg, early_row_loads=early)
+        jax.jit(lambda q, c=c: run(c, q)).trace(q).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier_set,D,G,pad,kw", COMPILED_CASES)
+def test_compiled_early_loads_give_identical_partials_on_gpu(tier_set, D, G, pad, kw):
+    _, tiers, work, cfg, run = compiled_case(tier_set, D, G, pad, kw)
     plain, early = both_ways(run, cfg)
     used = np.asarray(work.seg) < work.num_rows
     assert used.any() and np.isfinite(np.asarray(plain[0])[used]).all()
