@@ -127,7 +127,7 @@ COMPILED_CASES = [
 
 
 def compiled_case(tier_set, D, G, pad, kw):
-    """(q, work, cfg, run) of a compiled launch case: ``run(cfg)`` launches it."""
+    """(q, tiers, work, cfg, run) of a compiled launch case: ``run(cfg)`` launches it."""
     q, tiers = launch_case(tier_set, D, G, seed=5)
     cfg = pdk.LaunchConfig(**kw)
     work = pdk.plan_work(pdk.row_pages(tiers, weights=cfg.tier_weights), 64)
