@@ -18,7 +18,7 @@ kernels alone (``kern.ms``: ours the decode launch and its merge, JAX's its
 kernel; without the chain's per-launch reduction and add and the gaps between
 kernels), with the bandwidth and speed-up on that time, and prints each attention
 kernel's launch record from the trace once (registers per thread, shared memory,
-block, theoretical occupancy, as compiled on the device). Each variant is checked
+block, theoretical occupancy, as XLA compiled it). Each variant is checked
 against the plain-jnp reference on two rows of the same geometry first.
 
 ``--kernel-tiles queries,tokens`` times every quantized variant with both dot
@@ -139,7 +139,7 @@ def main() -> int:
             print("no attention kernel in the trace: "
                   + ", ".join(f"{n[:40]} {t * 1e3:.1f} us" for n, t in kernels[:6]), flush=True)
         for name, text in getattr(kernel_times, "details", {}).items():
-            record = {"kernel": name, "record": text}  # registers, occupancy as compiled there
+            record = {"kernel": name, "record": text}  # registers, occupancy as XLA compiled
             if any(n in name for n in ATTENTION_KERNELS) and record not in launch_records:
                 launch_records.append(record)
                 print(f"  launch {name[:48]}: {text}", flush=True)

@@ -61,8 +61,8 @@ def kernel_times(run, calls: int = 5):
 
 def launch_details(event) -> str:
     """The profiler's launch record of a kernel event (registers per thread, static
-    and dynamic shared memory, grid, block, theoretical occupancy: the compile the
-    device ran, which the ``triton`` package's compile in kernel_resources.py only
+    and dynamic shared memory, grid, block, theoretical occupancy: the compile XLA
+    ran, which the ``triton`` package's compile in kernel_resources.py only
     approximates), or "" where the trace holds none."""
     try:
         stats = dict(event.stats)
