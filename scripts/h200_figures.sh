@@ -14,6 +14,7 @@
 #   bash scripts/h200_figures.sh early-step   # DiffKV's decode step with them
 #   bash scripts/h200_figures.sh timeline     # when each program of a launch starts and ends
 #   bash scripts/h200_figures.sh timeline-shapes  # the same at 32 x 16K and 128 x 4K
+#   bash scripts/h200_figures.sh balance      # the caches' launch traced: what sharing work out could win
 #   bash scripts/h200_figures.sh weights      # low pages weighed 15 / 8 of a high page (cuts on the tier boundary too), B = 32
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
 #   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
@@ -116,6 +117,14 @@ case "${1:-}" in
     T="python scripts/program_timeline.py --repeats 3"
     $T --context 16384 --settings "m=rows;m=last" --json "$OUT/timeline_mix_32x16k.json"
     $T --batch 128 --settings "m=rows;m=last" --json "$OUT/timeline_mix_128x4k.json" ;;
+  balance)
+    # the caches' present launch traced at 32 x 4K: the multiprocessors' ends and the
+    # balanced span (what sharing the work out as the launch runs could win at most),
+    # with the tiers' weights and cuts on the tier boundary, and the 50/50 mix
+    T="python scripts/program_timeline.py --repeats 3"
+    $T --settings "m=rows;m=last;m=last,sn=30;m=last,tw=15,sn=30" \
+      --json "$OUT/timeline_balance_mix_32x4k.json"
+    $T --variant diffkv-50/50 --settings "m=last" --json "$OUT/timeline_balance_5050_32x4k.json" ;;
   weights|weights-b128)
     # the tiers' work units per page (8 : 15, also with cuts moved onto the tier
     # boundary) against the caches' 1 : 2, chained
@@ -182,6 +191,6 @@ EOF
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|weights|weights-b128|codes|codes-engine|registers|smollm2|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|balance|weights|weights-b128|codes|codes-engine|registers|smollm2|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac

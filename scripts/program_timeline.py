@@ -26,13 +26,26 @@ each trace (:func:`summarize`):
   at once (1: every slot busy from the first start to the last end);
 * ``early``, ``late``: the mean time of the programs placed in the first and the
   second half of their multiprocessor's programs (in index order);
+* ``SM end``: each multiprocessor's last program end, mean and max over the
+  multiprocessors (the max is the span);
+* ``balanced``: the span if every multiprocessor kept the rate at which it did
+  its own work (its items' units over its time, first start to its last end)
+  and the units were shared so that all of them ended together: the most that
+  sharing the work out as the launch runs could win, with no cost for moving
+  it (:func:`balanced_span`);
 * last, the programs running at each whole microsecond of the first launch of
   each setting (the ramp and the tail at a glance).
 
     python scripts/program_timeline.py --batch 32 --context 4096 --variant diffkv-mix
     python scripts/program_timeline.py --settings "m=rows;m=last;m=last,el=1;m=last,wave=528"
+    python scripts/program_timeline.py --stored docs/results/program_timeline_mix_32x4k_2026-12-05.json.gz
 
-Compiled launches only (the clocks are the GPU's special registers).
+Compiled launches only (the clocks are the GPU's special registers); ``--stored``
+prints the table again from a results file (gzipped or not), on any machine,
+with the figures an older file lacks computed from its programs' times. Both
+print how much the multiprocessors' ends repeat between a setting's launches
+(:func:`sm_end_agreement`): a multiprocessor that ends late in every launch is
+slow by itself or by the kind of items the GPU keeps giving it.
 """
 
 from __future__ import annotations
@@ -131,7 +144,57 @@ def summarize(trace, units, used) -> dict:
     out.update({f"{k}_us": float(np.median(v[used])) for k, v in phases.items()})
     out["items_us"] = {k: v.tolist() for k, v in phases.items()}
     out.update({"start_us": start.tolist(), "end_us": end.tolist(), "sm": col["sm"].tolist()})
+    out.update(sm_balance(start, end, col["sm"], units, used))
     return out
+
+
+def sm_ends(end, sm, used) -> dict:
+    """Each multiprocessor's last program end (us), by multiprocessor ID."""
+    end, sm, used = np.asarray(end, np.float64), np.asarray(sm), np.asarray(used, bool)
+    return {int(i): float(end[used & (sm == i)].max()) for i in np.unique(sm[used])}
+
+
+def balanced_span(start, end, sm, units, used) -> float:
+    """The span (us, from the first start) had every multiprocessor kept its own rate,
+    its items' units over its time (first start to its last end), and the units
+    been shared so that all of them ended together: ``sum(units) / sum(rates)``
+    (NaN without units). A bound on what sharing the work out as the launch runs
+    can win: moving work costs nothing here."""
+    start, end = np.asarray(start, np.float64), np.asarray(end, np.float64)
+    sm, units, used = np.asarray(sm), np.asarray(units, np.float64), np.asarray(used, bool)
+    t0, total, rate = start[used].min(), 0.0, 0.0
+    for i in np.unique(sm[used]):
+        on = used & (sm == i)
+        total += units[on].sum()
+        rate += units[on].sum() / max(end[on].max() - t0, 1e-9)
+    return float(total / rate) if rate > 0 else float("nan")
+
+
+def sm_balance(start, end, sm, units, used) -> dict:
+    """The multiprocessors' last ends (``sm_end_us``: mean, min and max over them)
+    and :func:`balanced_span` (``balanced_us``)."""
+    ends = np.array(list(sm_ends(end, sm, used).values()))
+    return {"sm_end_us": {"min": float(ends.min()), "mean": float(ends.mean()),
+                          "max": float(ends.max())},
+            "balanced_us": balanced_span(start, end, sm, units, used)}
+
+
+def sm_end_agreement(runs, used) -> float:
+    """The mean correlation, over pairs of launches of one setting (:func:`summarize`'s
+    dicts; ``used [N]`` their work list's used items), of the multiprocessors' last
+    ends (the multiprocessors both ran programs on); NaN with fewer than two
+    launches. Near 1: the same multiprocessors end last in every launch, whatever
+    programs the GPU gave them."""
+    ends = [sm_ends(r["end_us"], r["sm"], used) for r in runs]
+    corr = []
+    for a in range(len(ends)):
+        for b in range(a + 1, len(ends)):
+            ids = sorted(set(ends[a]) & set(ends[b]))
+            x = np.array([ends[a][i] for i in ids])
+            y = np.array([ends[b][i] for i in ids])
+            if len(ids) > 2 and np.std(x) > 0 and np.std(y) > 0:
+                corr.append(float(np.corrcoef(x, y)[0, 1]))
+    return float(np.mean(corr)) if corr else float("nan")
 
 
 def merge_excess(summary: dict, used, seg) -> float:
@@ -302,6 +365,73 @@ def label(setting: dict) -> str:
     return f"m={setting['merge']},el={setting['early']}{wave}{rest}"
 
 
+def print_table(device: str, args: dict, nbytes: int, results: list) -> None:
+    """The summary table of ``results`` (main's, or a stored file's), then the programs
+    running at each microsecond of each setting's first launch."""
+    print(f"device {device}; {args['model']} B={args['batch']} N={args['context']} "
+          f"{args['variant']}/{args['tiles']}; {nbytes / 1e6:.1f} MB read; times in us; "
+          "merge: the epilogue of the items that merged a row beyond the others'; SM end: "
+          "the multiprocessors' last ends, mean / max; balanced: the span with the work "
+          "shared out at each multiprocessor's own rate; agree: the correlation of the "
+          "multiprocessors' ends between a setting's launches")
+    width = max(len(r["setting"]) for r in results)
+    print(f"{'setting':{width}s} {'items':>5s} {'span':>7s} {'last st':>7s} {'1st end':>7s} "
+          f"{'med end':>7s} {'tail':>6s} {'prolog':>6s} {'loops':>6s} {'epilog':>6s} "
+          f"{'fixed':>6s} {'/unit':>6s} {'busy':>5s} {'at once':>7s} {'per SM':>7s} "
+          f"{'GHz':>5s} {'early':>6s} {'late':>6s} {'SM end':>11s} {'balanced':>8s} "
+          f"{'merge':>6s}")
+    for res in results:
+        for r in res["runs"]:
+            per_sm = f"{r['programs_per_sm']['min']}-{r['programs_per_sm']['max']}"
+            merge = r.get("merge_excess_us")
+            sm_end = f"{r['sm_end_us']['mean']:5.1f}/{r['sm_end_us']['max']:5.1f}"
+            print(f"{res['setting']:{width}s} {r['items']:5d} {r['span_us']:7.2f} "
+                  f"{r['last_start_us']:7.2f} {r['first_end_us']:7.2f} "
+                  f"{r['median_end_us']:7.2f} {r['tail_us']:6.2f} {r['prologue_us']:6.2f} "
+                  f"{r['loops_us']:6.2f} {r['epilogue_us']:6.2f} {r['fixed_us']:6.2f} "
+                  f"{r['per_unit_us']:6.3f} {r['busy']:5.2f} {r['most_at_once']:7d} "
+                  f"{per_sm:>7s} {r['clock_ghz']:5.2f} {r.get('early_us', float('nan')):6.2f} "
+                  f"{r.get('late_us', float('nan')):6.2f} {sm_end:>11s} "
+                  f"{r['balanced_us']:8.2f} " + ("" if merge is None else f"{merge:6.2f}"))
+    print("multiprocessors' ends, agreement between launches (mean pairwise correlation):")
+    for res in results:
+        print(f"{res['setting']:{width}s} {res['sm_end_agreement']:5.2f}")
+    print("programs running at each microsecond (each setting's first launch):")
+    for res in results:
+        print(f"{res['setting']:{width}s} "
+              + " ".join(str(n) for n in res["runs"][0]["running_per_us"]))
+
+
+def used_items(result: dict):
+    """A stored setting's ``(used, units)`` per item. Files that lack the work items
+    (the earliest) count each launch's first ``items`` items used (a plan's used
+    items come first) and one unit each (a one-wave plan's items are within a unit
+    or two of each other)."""
+    if "items" in result:
+        items = np.asarray(result["items"])
+        return items[:, 3] > items[:, 2], items[:, 3] - items[:, 2]
+    n, used_count = len(result["runs"][0]["end_us"]), result["runs"][0]["items"]
+    return np.arange(n) < used_count, np.ones(n)
+
+
+def load_stored(path: str) -> dict:
+    """A results file of this script (gzipped or not), each setting's launches given
+    the figures an older file lacks (:func:`sm_balance`) and the setting its
+    ``sm_end_agreement``."""
+    import gzip
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as fh:
+        data = json.load(fh)
+    for res in data["results"]:
+        used, units = used_items(res)
+        for r in res["runs"]:
+            if "balanced_us" not in r:
+                r.update(sm_balance(r["start_us"], r["end_us"], r["sm"], units, used))
+        res["sm_end_agreement"] = sm_end_agreement(res["runs"], used)
+    return data
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama3-8b", choices=("llama3-8b", "smollm2-135m"))
@@ -325,7 +455,13 @@ def main() -> int:
                         "after the even ones, m=rows: grade_items)")
     p.add_argument("--repeats", type=int, default=5, help="traced launches after a warm-up")
     p.add_argument("--json", default="results/program_timeline.json")
+    p.add_argument("--stored", metavar="FILE",
+                   help="print the table of a results file of this script instead (no GPU)")
     args = p.parse_args()
+    if args.stored:
+        data = load_stored(args.stored)
+        print_table(data["device"], data["args"], data["bytes"], data["results"])
+        return 0
     settings = parse_settings(args.settings)
 
     import jax
@@ -396,34 +532,12 @@ def main() -> int:
             runs.append(summary)
         results.append({"setting": label(setting), "wave": wave, "work_items": n_items,
                         "launch": dataclasses.asdict(cfg), "items": items.tolist(),
-                        "runs": runs})
+                        "runs": runs, "sm_end_agreement": sm_end_agreement(runs, used)})
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:  # after every setting: a run cut short keeps them
             json.dump({"device": device, "args": vars(args), "bytes": nbytes,
                        "results": results}, fh)
-    print(f"device {device}; {args.model} B={S} N={args.context} {args.variant}/{args.tiles}; "
-          f"{nbytes / 1e6:.1f} MB read; times in us; merge: the epilogue of the items that "
-          "merged a row beyond the others'")
-    width = max(len(r["setting"]) for r in results)
-    print(f"{'setting':{width}s} {'items':>5s} {'span':>7s} {'last st':>7s} {'1st end':>7s} "
-          f"{'med end':>7s} {'tail':>6s} {'prolog':>6s} {'loops':>6s} {'epilog':>6s} "
-          f"{'fixed':>6s} {'/unit':>6s} {'busy':>5s} {'at once':>7s} {'per SM':>7s} "
-          f"{'GHz':>5s} {'early':>6s} {'late':>6s} {'merge':>6s}")
-    for res in results:
-        for r in res["runs"]:
-            per_sm = f"{r['programs_per_sm']['min']}-{r['programs_per_sm']['max']}"
-            merge = r.get("merge_excess_us")
-            print(f"{res['setting']:{width}s} {r['items']:5d} {r['span_us']:7.2f} "
-                  f"{r['last_start_us']:7.2f} {r['first_end_us']:7.2f} "
-                  f"{r['median_end_us']:7.2f} {r['tail_us']:6.2f} {r['prologue_us']:6.2f} "
-                  f"{r['loops_us']:6.2f} {r['epilogue_us']:6.2f} {r['fixed_us']:6.2f} "
-                  f"{r['per_unit_us']:6.3f} {r['busy']:5.2f} {r['most_at_once']:7d} "
-                  f"{per_sm:>7s} {r['clock_ghz']:5.2f} {r['early_us']:6.2f} {r['late_us']:6.2f} "
-                  + ("" if merge is None else f"{merge:6.2f}"))
-    print("programs running at each microsecond (each setting's first launch):")
-    for res in results:
-        print(f"{res['setting']:{width}s} "
-              + " ".join(str(n) for n in res["runs"][0]["running_per_us"]))
+    print_table(device, vars(args), nbytes, results)
     return 0
 
 

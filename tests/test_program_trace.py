@@ -300,3 +300,78 @@ def test_summary_splits_the_programs_by_their_place_on_the_multiprocessor():
         trace[:, col[c]] = trace[:, col["end_ns"]]
     out = summarize(trace.astype(np.int32), np.array([1, 1, 2, 2]), np.ones(4, bool))
     assert out["early_us"] == pytest.approx(11.0) and out["late_us"] == pytest.approx(21.0)
+
+
+def _two_sm_trace():
+    """Programs 0, 2 on multiprocessor 0 (10 units, ending at 5 and 10 us), 1, 3 on
+    multiprocessor 1 (10 units, ending at 12 and 20 us), and an unused item 4 on
+    multiprocessor 1 that ends last."""
+    trace = np.zeros((5, len(TRACE_COLUMNS)), np.int64)
+    col = {n: i for i, n in enumerate(TRACE_COLUMNS)}
+    trace[:, col["sm"]] = [0, 1, 0, 1, 1]
+    trace[:, col["end_ns"]] = [5_000, 12_000, 10_000, 20_000, 30_000]
+    for c in ("loop_cycles", "loop_end_cycles", "end_cycles"):
+        trace[:, col[c]] = trace[:, col["end_ns"]]
+    return trace.astype(np.int32), np.array([5, 5, 5, 5, 0]), np.array([1, 1, 1, 1, 0], bool)
+
+
+def test_summary_bounds_what_sharing_the_work_out_could_win():
+    out = summarize(*_two_sm_trace())
+    # the unused item's end is no multiprocessor's end; the span is the used items'
+    assert out["sm_end_us"] == {"min": 10.0, "mean": 15.0, "max": 20.0}
+    assert out["span_us"] == pytest.approx(20.0)
+    # rates 10 / 10 and 10 / 20 units per us: 20 units end together at 20 / 1.5 us
+    assert out["balanced_us"] == pytest.approx(20 / 1.5)
+
+
+def test_sm_end_agreement_compares_the_multiprocessors_between_launches():
+    from scripts.program_timeline import sm_end_agreement
+
+    used = np.ones(4, bool)
+
+    def run(ends, sm=(0, 1, 2, 3)):
+        return {"end_us": list(ends), "sm": list(sm), "start_us": [0.0] * 4}
+
+    same = [run([10, 20, 30, 40]), run([11, 21, 29, 41], sm=(0, 1, 2, 3))]
+    assert sm_end_agreement(same, used) == pytest.approx(
+        np.corrcoef([10, 20, 30, 40], [11, 21, 29, 41])[0, 1])
+    # the GPU gave the programs other multiprocessors: the ends are compared by
+    # multiprocessor, not by program
+    moved = [run([10, 20, 30, 40]), run([40, 30, 20, 10], sm=(3, 2, 1, 0))]
+    assert sm_end_agreement(moved, used) == pytest.approx(1.0)
+    assert sm_end_agreement(moved[:1], used) != sm_end_agreement(moved[:1], used)  # NaN
+
+
+@pytest.mark.parametrize("gz,with_items", [(True, True), (False, False)])
+def test_stored_results_print_again_without_a_gpu(tmp_path, gz, with_items):
+    import gzip
+    import json
+    import os
+    import subprocess
+    import sys
+
+    runs = []
+    for _ in range(2):
+        r = summarize(*_two_sm_trace())
+        del r["balanced_us"], r["sm_end_us"]  # as a file written before these figures
+        runs.append(r)
+    res = {"setting": "m=last,el=0", "wave": 4, "work_items": 5, "runs": runs}
+    if with_items:
+        res["items"] = [[0, 0, 0, 5], [0, 1, 0, 5], [0, 0, 5, 10], [0, 1, 5, 10], [0, 0, 0, 0]]
+    data = {"device": "NVIDIA H200", "bytes": 123_000_000, "results": [res],
+            "args": {"model": "llama3-8b", "batch": 32, "context": 4096,
+                     "variant": "diffkv-mix", "tiles": "tokens"}}
+    path = str(tmp_path / ("t.json.gz" if gz else "t.json"))
+    with (gzip.open if gz else open)(path, "wt") as fh:
+        json.dump(data, fh)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "program_timeline.py"),
+                           "--stored", path], capture_output=True, text=True, timeout=600,
+                          cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("m=last,el=0 ")]
+    # two launches, then the agreement line, then the running counts
+    assert len(rows) == 4
+    # 4 used items either way: without the work items, the first 4 count, a unit each
+    assert " 4 " in rows[0] and "15.0/ 20.0" in rows[0] and "13.33" in rows[0]
+    assert rows[2].split()[1] == "nan"  # two multiprocessors: too few to correlate
