@@ -183,8 +183,9 @@ def sm_end_agreement(runs, used) -> float:
     """The mean correlation, over pairs of launches of one setting (:func:`summarize`'s
     dicts; ``used [N]`` their work list's used items), of the multiprocessors' last
     ends (the multiprocessors both ran programs on); NaN with fewer than two
-    launches. Near 1: the same multiprocessors end last in every launch, whatever
-    programs the GPU gave them."""
+    launches. Near 1: the same multiprocessors end last in every launch, slow by
+    themselves or by the kind of items the GPU keeps giving them (it places the
+    programs differently in every launch, but may keep their mix)."""
     ends = [sm_ends(r["end_us"], r["sm"], used) for r in runs]
     corr = []
     for a in range(len(ends)):
@@ -372,8 +373,8 @@ def print_table(device: str, args: dict, nbytes: int, results: list) -> None:
           f"{args['variant']}/{args['tiles']}; {nbytes / 1e6:.1f} MB read; times in us; "
           "merge: the epilogue of the items that merged a row beyond the others'; SM end: "
           "the multiprocessors' last ends, mean / max; balanced: the span with the work "
-          "shared out at each multiprocessor's own rate; agree: the correlation of the "
-          "multiprocessors' ends between a setting's launches")
+          "shared out at each multiprocessor's own rate; agreement: the correlation of "
+          "the multiprocessors' ends between a setting's launches")
     width = max(len(r["setting"]) for r in results)
     print(f"{'setting':{width}s} {'items':>5s} {'span':>7s} {'last st':>7s} {'1st end':>7s} "
           f"{'med end':>7s} {'tail':>6s} {'prolog':>6s} {'loops':>6s} {'epilog':>6s} "
