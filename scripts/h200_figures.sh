@@ -19,7 +19,7 @@
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
 #   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
 #   bash scripts/h200_figures.sh codes-engine # the engine's GPU tests with values in place and the lanes' metadata once off
-#   bash scripts/h200_figures.sh registers    # ptxas register caps (XLA_FLAGS) for 12 / 14 programs per multiprocessor
+#   bash scripts/h200_figures.sh registers    # two warps per program; ptxas register caps (XLA_FLAGS) for 12 / 14 programs per multiprocessor
 #   bash scripts/h200_figures.sh smollm2      # the embedded model's shapes, as the caches launch
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
@@ -164,6 +164,11 @@ EOF
     # flags reach it, but ptxas ignores --maxrregcount for PTX that fixes its block
     # size (.reqntid) unless --override-directive-values. The flags apply to every
     # kernel of the process. The launch records printed say what each compile got.
+    # First, without a cap (the baseline of the same machine): one warp per program
+    # against two (127 registers: the same 8 programs, twice the warps in flight).
+    python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
+      --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
+      --tune "m=last;m=last,nw=2" --json "$OUT/bench_attention_nocap_b32.json"
     for CAP in ${REG_CAPS:-168 128}; do
       W=1584; [ "$CAP" -le 128 ] && W=1848
       XLA_FLAGS="--xla_gpu_ptx_compiler_extra_flags='--maxrregcount=$CAP --override-directive-values'" \
