@@ -56,7 +56,9 @@ the value codes' slices left at their bit offsets
 (``LaunchConfig.values_in_place``), ``sp=1`` K4V2's pages walked a page per
 step, half a page per lane (``LaunchConfig.split_pages``), ``ms=1`` each lane's
 metadata loaded once and chosen per column (``LaunchConfig.lane_meta_select``),
-``pl`` the page lanes (``LaunchConfig.page_lanes``; fewer hold fewer registers);
+``pl`` the page lanes (``LaunchConfig.page_lanes``; fewer hold fewer registers),
+``pr`` the query rows of the kernel's tiles (``padded_rows``: with token tiles 16
+instead of 8 gives a group of 4 four page lanes with ``pl=4``);
 labelled
 ``<variant>/tokens[setting]``.
 
@@ -179,10 +181,12 @@ def main() -> int:
                 out["lane_meta_select"] = val == "1"
             elif k == "pl" and val in ("1", "2", "4"):
                 out["page_lanes"] = int(val)
+            elif k == "pr" and val in ("8", "16"):
+                out["padded_rows"] = int(val)
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
                                  "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), "
-                                 "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4)")
+                                 "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4, pr=8|16)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -223,7 +227,7 @@ def main() -> int:
                                                                 "lane_meta_select",
                                                                 "page_lanes")
                                           if k in tune})
-        tile_rows = pdk.tile_rows(G, transposed)
+        tile_rows = tune.get("padded_rows") or pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)
         wave = tune.get("wave", plan_wave())
 

@@ -169,6 +169,10 @@ def main() -> int:
     p.add_argument("--meta-select", default="0",
                    help="LaunchConfig.lane_meta_select values (1: each lane's metadata "
                         "loaded once, labelled L)")
+    p.add_argument("--rows", type=int, default=0,
+                   help="query rows of the kernel's tiles (0: tile_rows, 8 with --transposed "
+                        "1 for groups up to 8, else 16); 16 with --transposed 1 gives a "
+                        "group of 4 four page lanes")
     p.add_argument("--padded-q", action="store_true",
                    help="q padded to 16 rows in memory (the launches before padded_rows)")
     p.add_argument("--policy", action="store_true",
@@ -223,7 +227,7 @@ def main() -> int:
                                page_lanes=lanes, transposed=trans, early_row_loads=early,
                                split_pages=split, values_in_place=vip,
                                lane_meta_select=msel)
-        rows = pdk.tile_rows(G, trans)
+        rows = args.rows or pdk.tile_rows(G, trans)
         n_lanes = cfg.lanes(rows, G)
         if n_lanes > 1:  # tiers of pages up to lane_slots walk a page per lane per step
             # (split pages: a page per step, a part per lane)
