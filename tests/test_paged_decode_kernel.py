@@ -391,6 +391,18 @@ def test_token_tiles_match_reference(tier_set, D, G, lanes, work_items):
                  page_lanes=lanes, seed=70 + G, lazy=False, transposed=True)
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_token_tiles_of_16_columns_walk_four_lanes(split):
+    # Token tiles padded to 16 columns instead of 8 hold a group of 4 four times:
+    # four K8V4 pages per step (bench_attention.py --tune pl=4,pr=16); K4V2's 64-slot
+    # pages by lane 0 alone, or a 16-slot part per lane with split pages.
+    assert pdk.LaunchConfig(page_lanes=4, transposed=True).lanes(16, 4) == 4
+    check_kernel("k8v4+k4v2", 128, 4, 1, interpret=True, dot_dtype="float32", tol=1e-4,
+                 pad=16, page_lanes=4, work_items=16, seed=5, rows_in_kernel=True,
+                 transposed=True, tier_weights=(1, 2), lane_meta_select=True,
+                 split_pages=split)
+
+
 @pytest.mark.parametrize("weights", [(1, 2), (2, 3), (1, 3), (3, 1)])
 @pytest.mark.parametrize("work_items", [None, 11, 16, 64])
 def test_weighted_work_units_match_reference(weights, work_items):
