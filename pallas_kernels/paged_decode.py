@@ -197,6 +197,10 @@ class LaunchConfig:
     # about equal cost when a tier's page costs more than another's (K4V2's
     # 64-slot pages take about twice a K8V4 page's time).
     tier_weights: tuple = ()
+    # Quantized tiers: bytes of a key row per dot (0: the whole row, one dot per code
+    # slice). The key dot taken in column chunks of this many bytes holds one chunk's
+    # codes as dot operands at a time instead of the whole page's keys.
+    key_chunk: int = 0
     # Load every tier's token count, and the page-table entries of each tier's
     # first pages (those its loop reads before the pipeline is full: num_stages - 1
     # steps, times the page lanes), as soon as the work item is known. Without it
@@ -227,6 +231,8 @@ class LaunchConfig:
             raise ValueError("transposed and sub_slots cannot be combined")
         if any(int(w) != w or w < 1 for w in self.tier_weights):
             raise ValueError(f"tier_weights must be positive integers, got {self.tier_weights}")
+        if self.key_chunk < 0 or (self.key_chunk and self.key_chunk % 16):
+            raise ValueError(f"key_chunk must be 0 or a multiple of 16, got {self.key_chunk}")
 
     def weight(self, tier: int) -> int:
         """Work units per page of tier ``tier`` (:attr:`tier_weights`)."""
@@ -472,23 +478,31 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         if fmt.quantized:
             kw = fmt.key_width
             nk = 8 // fmt.k_bits
-            q_slices = [q_part(i * kw, kw, qdt) for i in range(nk)]
+            # Key bytes per dot (cfg.key_chunk), and per chunk the query slices its codes
+            # meet: code slice i of byte column c holds dim i * kw + c.
+            kc = cfg.key_chunk if 0 < cfg.key_chunk < kw and kw % cfg.key_chunk == 0 else kw
+            q_chunks = [[q_part(i * kw + c, kc, qdt) for i in range(nk)]
+                        for c in range(0, kw, kc)]
             # Sum of the rounded query, so the 1024 offsets cancel exactly.
-            q_sum = sum(jnp.sum(x.astype(jnp.float32), axis=1) for x in q_slices)
+            q_sum = sum(jnp.sum(x.astype(jnp.float32), axis=1)
+                        for chunk in q_chunks for x in chunk)
         else:
             pdt = k_ref.dtype
             q_full = q_part(0, D, pdt)
 
         def key_dot(page, at):
-            """``q . codes`` over ``cap`` key slots of a page from ``at`` ([Gp, cap] f32)."""
-            kb = k_ref[page, pl.ds(at, cap), :]  # [cap, kw] codes
-            k_parts = (magic_slices(kb, fmt.k_bits, interpret=interpret) if magic
-                       else exact_slices(kb, fmt.k_bits, jnp.float32))
+            """``q . codes`` over ``cap`` key slots of a page from ``at`` ([Gp, cap] f32),
+            one dot per code slice of each chunk of ``kc`` key bytes."""
             acc = None
-            for qs, kp in zip(q_slices, k_parts):
-                a, b = (kp, qs) if tr else (qs, kp)  # [slots, Gp] or [Gp, slots]
-                acc = (backend.dot(a, b, trans_b=True) if acc is None
-                       else backend.dot_acc(acc, a, b, trans_b=True))
+            for c, q_slices in zip(range(0, kw, kc), q_chunks):
+                cols = slice(None) if kc == kw else pl.ds(c, kc)
+                kb = k_ref[page, pl.ds(at, cap), cols]  # [cap, kc] codes
+                k_parts = (magic_slices(kb, fmt.k_bits, interpret=interpret) if magic
+                           else exact_slices(kb, fmt.k_bits, jnp.float32))
+                for qs, kp in zip(q_slices, k_parts):
+                    a, b = (kp, qs) if tr else (qs, kp)  # [slots, Gp] or [Gp, slots]
+                    acc = (backend.dot(a, b, trans_b=True) if acc is None
+                           else backend.dot_acc(acc, a, b, trans_b=True))
             return acc
 
         def value_dots(accs, pv, page, at):

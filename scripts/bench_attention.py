@@ -58,7 +58,8 @@ step, half a page per lane (``LaunchConfig.split_pages``), ``ms=1`` each lane's
 metadata loaded once and chosen per column (``LaunchConfig.lane_meta_select``),
 ``pl`` the page lanes (``LaunchConfig.page_lanes``; fewer hold fewer registers),
 ``pr`` the query rows of the kernel's tiles (``padded_rows``: with token tiles 16
-instead of 8 gives a group of 4 four page lanes with ``pl=4``);
+instead of 8 gives a group of 4 four page lanes with ``pl=4``), ``kc`` the key
+bytes per dot (``LaunchConfig.key_chunk``);
 labelled
 ``<variant>/tokens[setting]``.
 
@@ -183,10 +184,12 @@ def main() -> int:
                 out["page_lanes"] = int(val)
             elif k == "pr" and val in ("8", "16"):
                 out["padded_rows"] = int(val)
+            elif k == "kc" and val.isdigit() and int(val) % 16 == 0:
+                out["key_chunk"] = int(val)
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
                                  "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), "
-                                 "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4, pr=8|16)")
+                                 "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4, pr=8|16, kc=16n)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -225,7 +228,7 @@ def main() -> int:
                                                                 "values_in_place",
                                                                 "split_pages",
                                                                 "lane_meta_select",
-                                                                "page_lanes")
+                                                                "page_lanes", "key_chunk")
                                           if k in tune})
         tile_rows = tune.get("padded_rows") or pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)

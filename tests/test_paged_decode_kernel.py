@@ -391,6 +391,20 @@ def test_token_tiles_match_reference(tier_set, D, G, lanes, work_items):
                  page_lanes=lanes, seed=70 + G, lazy=False, transposed=True)
 
 
+@pytest.mark.parametrize("tier_set", ["k8v4+k4v2", "k8v4+k4v2 wide"])
+@pytest.mark.parametrize("key_chunk,transposed", [(16, True), (32, True), (64, False)])
+def test_key_dot_in_column_chunks_matches_reference(tier_set, key_chunk, transposed):
+    # LaunchConfig.key_chunk: the key dot taken over chunks of a row's key bytes, each
+    # chunk's code slices against the query dims they hold (K4V2: byte c holds dims c
+    # and c + D/2), summed into one accumulator.
+    check_kernel(tier_set, 128, 4, 1, interpret=True, dot_dtype="float32", tol=1e-4,
+                 pad=8 if transposed else 16, page_lanes=2, work_items=16, seed=key_chunk,
+                 rows_in_kernel=True, transposed=transposed, tier_weights=(1, 2),
+                 key_chunk=key_chunk)
+    with pytest.raises(ValueError, match="key_chunk"):
+        pdk.LaunchConfig(key_chunk=24)
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_token_tiles_of_16_columns_walk_four_lanes(split):
     # Token tiles padded to 16 columns instead of 8 hold a group of 4 four times:
