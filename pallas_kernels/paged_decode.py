@@ -199,7 +199,9 @@ class LaunchConfig:
     tier_weights: tuple = ()
     # Quantized tiers: bytes of a key row per dot (0: the whole row, one dot per code
     # slice). The key dot taken in column chunks of this many bytes holds one chunk's
-    # codes as dot operands at a time instead of the whole page's keys.
+    # codes as dot operands at a time instead of the whole page's keys. One setting
+    # serves every tier of a launch, whose key rows differ in width: a tier whose
+    # row is no wider than the chunk, or not a multiple of it, takes whole rows.
     key_chunk: int = 0
     # Load every tier's token count, and the page-table entries of each tier's
     # first pages (those its loop reads before the pipeline is full: num_stages - 1

@@ -160,13 +160,13 @@ def balanced_span(start, end, sm, units, used) -> float:
     been shared so that all of them ended together: ``sum(units) / sum(rates)``
     (NaN without units). A bound on what sharing the work out as the launch runs
     can win: moving work costs nothing here."""
-    start, end = np.asarray(start, np.float64), np.asarray(end, np.float64)
-    sm, units, used = np.asarray(sm), np.asarray(units, np.float64), np.asarray(used, bool)
+    start, sm = np.asarray(start, np.float64), np.asarray(sm)
+    units, used = np.asarray(units, np.float64), np.asarray(used, bool)
     t0, total, rate = start[used].min(), 0.0, 0.0
-    for i in np.unique(sm[used]):
-        on = used & (sm == i)
-        total += units[on].sum()
-        rate += units[on].sum() / max(end[on].max() - t0, 1e-9)
+    for i, last_end in sm_ends(end, sm, used).items():
+        mine = units[used & (sm == i)].sum()
+        total += mine
+        rate += mine / max(last_end - t0, 1e-9)
     return float(total / rate) if rate > 0 else float("nan")
 
 

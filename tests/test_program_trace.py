@@ -290,15 +290,21 @@ def test_grade_items_lightens_the_odd_items_and_runs_them_last():
         grade_items(items[[3, 0, 1, 2, 4, 5]], seg[[3, 0, 1, 2, 4, 5]], 2, 10)
 
 
+def _trace(sm, end_ns):
+    """A trace of programs on multiprocessors ``sm`` ending at ``end_ns``, their loop
+    and epilogue ending with them."""
+    trace = np.zeros((len(sm), len(TRACE_COLUMNS)), np.int64)
+    col = {n: i for i, n in enumerate(TRACE_COLUMNS)}
+    trace[:, col["sm"]] = sm
+    for c in ("end_ns", "loop_cycles", "loop_end_cycles", "end_cycles"):
+        trace[:, col[c]] = end_ns
+    return trace.astype(np.int32)
+
+
 def test_summary_splits_the_programs_by_their_place_on_the_multiprocessor():
     # 4 programs on 2 multiprocessors (0, 1, 0, 1): the second on each took longer
-    trace = np.zeros((4, len(TRACE_COLUMNS)), np.int64)
-    col = {n: i for i, n in enumerate(TRACE_COLUMNS)}
-    trace[:, col["sm"]] = [0, 1, 0, 1]
-    trace[:, col["end_ns"]] = [10_000, 12_000, 20_000, 22_000]
-    for c in ("loop_cycles", "loop_end_cycles", "end_cycles"):
-        trace[:, col[c]] = trace[:, col["end_ns"]]
-    out = summarize(trace.astype(np.int32), np.array([1, 1, 2, 2]), np.ones(4, bool))
+    trace = _trace([0, 1, 0, 1], [10_000, 12_000, 20_000, 22_000])
+    out = summarize(trace, np.array([1, 1, 2, 2]), np.ones(4, bool))
     assert out["early_us"] == pytest.approx(11.0) and out["late_us"] == pytest.approx(21.0)
 
 
@@ -306,13 +312,8 @@ def _two_sm_trace():
     """Programs 0, 2 on multiprocessor 0 (10 units, ending at 5 and 10 us), 1, 3 on
     multiprocessor 1 (10 units, ending at 12 and 20 us), and an unused item 4 on
     multiprocessor 1 that ends last."""
-    trace = np.zeros((5, len(TRACE_COLUMNS)), np.int64)
-    col = {n: i for i, n in enumerate(TRACE_COLUMNS)}
-    trace[:, col["sm"]] = [0, 1, 0, 1, 1]
-    trace[:, col["end_ns"]] = [5_000, 12_000, 10_000, 20_000, 30_000]
-    for c in ("loop_cycles", "loop_end_cycles", "end_cycles"):
-        trace[:, col[c]] = trace[:, col["end_ns"]]
-    return trace.astype(np.int32), np.array([5, 5, 5, 5, 0]), np.array([1, 1, 1, 1, 0], bool)
+    trace = _trace([0, 1, 0, 1, 1], [5_000, 12_000, 10_000, 20_000, 30_000])
+    return trace, np.array([5, 5, 5, 5, 0]), np.array([1, 1, 1, 1, 0], bool)
 
 
 def test_summary_bounds_what_sharing_the_work_out_could_win():
