@@ -191,3 +191,109 @@ def read_clock(dep, which: str):
     return _triton.elementwise_inline_asm(
         f"mov.u32 $0, {CLOCK_REGISTERS[which]};", args=[dep], constraints="=r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])[0]
+
+
+# Asking the L2 cache to fetch a page ahead of the loop step that reads it. A decode
+# program is one warp whose loop waits on its own loads: the pipeline's stages in
+# shared memory hold two or three steps, and more stages would cost programs per
+# multiprocessor. A prefetch into L2 costs no register or shared memory (one
+# bulk-prefetch instruction of one thread per page, sm_90), so the pages a few steps
+# ahead are on their way while the loop works, and its own loads find them in L2.
+# Pallas has no such operation, so this primitive lowers, in the Triton lowering
+# only, to inline PTX on the address of ``ref[index, 0, ...]``; it reads nothing
+# back and changes no result.
+def _prefetch_effect():
+    """An effect of its own, so that the prefetch survives dead-code elimination (a
+    read of a ref whose value is unused would not), allowed in loops and kept
+    inside the kernel (None where this JAX's private API differs)."""
+    try:
+        from jax._src import effects
+        from jax._src.pallas import core as pallas_core
+    except ImportError:
+        return None
+
+    class PrefetchEffect(effects.Effect):
+        pass
+
+    effects.control_flow_allowed_effects.add_type(PrefetchEffect)
+    pallas_core.kernel_local_effects.add_type(PrefetchEffect)
+    return PrefetchEffect()
+
+
+_PREFETCH_EFFECT = _prefetch_effect()
+
+
+def _prefetch_abstract_eval(ref, index, when, *, elements):
+    del ref, index, when, elements
+    return [], {_PREFETCH_EFFECT}
+
+
+prefetch_l2_p = jex_core.Primitive("pallas_prefetch_l2")
+prefetch_l2_p.multiple_results = True
+prefetch_l2_p.def_effectful_abstract_eval(_prefetch_abstract_eval)
+
+
+def prefetch_asm(nbytes: int) -> str:
+    """PTX of one page's L2 prefetch: lane 0 of the warp asks for ``nbytes`` (a
+    multiple of 16) from the address operand ``$1`` where ``$2`` is not zero (``$0``
+    is a dummy result: an inline-assembly op of Pallas' lowering has one)."""
+    if nbytes <= 0 or nbytes % 16:
+        raise ValueError(f"a bulk L2 prefetch takes a positive multiple of 16 bytes, got {nbytes}")
+    return ("{ .reg .pred p, q; .reg .b32 l; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+            "setp.ne.u32 q, $2, 0; and.pred p, p, q; "
+            f"@p cp.async.bulk.prefetch.L2.global [$1], {nbytes}; mov.u32 $0, 0; }}")
+
+
+def _register_triton_prefetch() -> bool:
+    """Teach the Triton lowering :data:`prefetch_l2_p`; False when this JAX's private
+    lowering API is not the one written against, or when the environment sets
+    ``DIFFKV_JAX_NO_PREFETCH=1`` (then :func:`prefetch_l2` does nothing)."""
+    if os.environ.get("DIFFKV_JAX_NO_PREFETCH", "0") not in ("", "0"):
+        return False
+    try:
+        import numpy as np
+
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.mlir.dialects import arith as arith_dialect
+        from jax._src.lib.triton import dialect as tt_dialect
+        from jax._src.pallas.triton import lowering as tl
+    except ImportError:
+        return False
+    if _PREFETCH_EFFECT is None or not (
+            hasattr(tl, "triton_lowering_rules") and hasattr(tt_dialect, "addptr")
+            and hasattr(tt_dialect, "elementwise_inline_asm")):
+        return False
+
+    def rule(ctx, ptr, index, when, *, elements):
+        ref_aval = ctx.avals_in[0]
+        itemsize = np.dtype(ref_aval.dtype).itemsize
+        stride = int(np.prod(ref_aval.shape[1:]))  # elements per page of the ref
+        i64 = ir.IntegerType.get_signless(64)
+        index = arith_dialect.extsi(i64, index)  # 64-bit: pools past 2 GiB
+        offset = arith_dialect.muli(index, arith_dialect.constant(i64, stride))
+        address = tt_dialect.addptr(ptr.type, ptr, offset)
+        nbytes = elements * itemsize // 16 * 16  # whole 16-byte units inside the page
+        tt_dialect.elementwise_inline_asm([ir.IntegerType.get_signless(32)],
+                                          prefetch_asm(nbytes), constraints="=r,l,r",
+                                          pure=False, packed_element=1,
+                                          args=[address, arith_dialect.extui(
+                                              ir.IntegerType.get_signless(32), when)])
+        return []
+
+    tl.triton_lowering_rules[prefetch_l2_p] = rule
+    return True
+
+
+#: Whether :func:`prefetch_l2` lowers to an L2 prefetch (else it does nothing).
+L2_PREFETCH = _register_triton_prefetch()
+
+
+def prefetch_l2(ref, index, elements: int, when=True) -> None:
+    """Ask the L2 cache for ``elements`` elements of ``ref`` from ``ref[index, 0, ...]``
+    (``index`` an int32 scalar, in bounds; the address a multiple of 16 bytes, and
+    at least 16 bytes asked: the bulk prefetch's rules) inside a compiled Triton kernel, where
+    ``when`` (a bool scalar) holds. A hint: it returns nothing, and outside a compiled
+    GPU kernel (interpret mode) the caller leaves it out."""
+    if L2_PREFETCH:
+        prefetch_l2_p.bind(ref, jnp.asarray(index, jnp.int32), jnp.asarray(when, jnp.bool_),
+                           elements=int(elements))

@@ -218,6 +218,18 @@ class LaunchConfig:
     # work item, read from the GPU's clocks (compiled launches only; launch with
     # program_trace, which returns it).
     trace_programs: bool = False
+    # Pages ahead of the loop that each program asks the L2 cache for (0: none): at
+    # its start the item's first pages, then at every step those this many pages
+    # past the step's, across into the next tier's first pages near a tier's end
+    # (pages, metadata and 16-bit value pages alike; page walks of one page per
+    # step only). A bulk prefetch of one thread per page (sm_90), compiled launches
+    # only: the loop's own loads, two or three steps ahead in shared memory, then
+    # find the pages on their way. The results are the same.
+    l2_prefetch: int = 0
+    # Without l2_prefetch: the next tier's first pages (this many) asked of the L2
+    # cache once, at the step that leaves a tier that many pages or fewer, so that
+    # the next tier's loop, which fills its pipeline again, finds them on their way.
+    l2_prefetch_next: int = 0
 
     def __post_init__(self):
         if self.dot_dtype not in ("float16", "float32"):
@@ -233,6 +245,12 @@ class LaunchConfig:
             raise ValueError("transposed and sub_slots cannot be combined")
         if any(int(w) != w or w < 1 for w in self.tier_weights):
             raise ValueError(f"tier_weights must be positive integers, got {self.tier_weights}")
+        if self.l2_prefetch < 0 or self.l2_prefetch_next < 0:
+            raise ValueError("l2_prefetch and l2_prefetch_next must be >= 0, got "
+                             f"{self.l2_prefetch}, {self.l2_prefetch_next}")
+        if self.l2_prefetch and self.l2_prefetch_next:
+            raise ValueError("l2_prefetch already asks for the next tier's first pages; "
+                             "l2_prefetch_next is its alternative")
         if self.key_chunk < 0 or (self.key_chunk and self.key_chunk % 16):
             raise ValueError(f"key_chunk must be 0 or a multiple of 16, got {self.key_chunk}")
 
@@ -448,11 +466,89 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             offset = tier_range(t, fmt, n_tok, offset)[2]
         return loads
 
+    def page_parts(fmt: TierFormat, refs_t):
+        """``(ref, elements)`` of what a page of the tier is read from, by page ID: its
+        data (keys and values, or 16-bit keys, then values) and metadata; only the
+        parts whose pages start on 16-byte boundaries (a bulk prefetch's alignment)."""
+        k_ref, v_ref, km_ref, vm_ref = refs_t[:4]
+        whole = lambda ref: math.prod(ref.shape[1:])  # noqa: E731
+        parts = ([(k_ref, whole(k_ref)), (km_ref, fmt.slots), (vm_ref, fmt.slots)]
+                 if fmt.quantized else [(k_ref, whole(k_ref)), (v_ref, whole(v_ref))])
+        return [(ref, n) for ref, n in parts
+                if whole(ref) * ref.dtype.itemsize % 16 == 0 and n * ref.dtype.itemsize >= 16]
+
+    def table_page(refs_t, index):
+        """The tier's page ID at table index ``index`` (clipped to the table, the ID
+        into the pool)."""
+        pages_ref = refs_t[4]
+        page = pages_ref[s_i, h_i, jnp.clip(index, 0, pages_ref.shape[-1] - 1)]
+        return jnp.minimum(page, refs_t[0].shape[0] - 1)
+
+    def prefetch_page(fmt, refs_t, page, when):
+        """The L2 prefetch of the tier's page ``page`` where ``when``; left out in
+        interpret mode."""
+        if not interpret:
+            for ref, elements in page_parts(fmt, refs_t):
+                backend.prefetch_l2(ref, page, elements, when)
+
     def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry, offset, early=None,
-                  at_loop=None):
+                  at_loop=None, ahead=None):
+        """``ahead``: with cfg.l2_prefetch, ``(starts, next)``: whether this loop also
+        asks for the walk's first pages (the first tier's), and the next tier's
+        ``(fmt, refs, first, last)`` (None for the last tier)."""
         k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
         n_tok = ntok_ref[s_i, h_i] if early is None else early[0]
         first, last, next_offset = tier_range(t, fmt, n_tok, offset)
+
+        def lookup(index):
+            """The page IDs the walk's page ``index`` may be: this tier's, and past its
+            last page the next tier's (its pages follow)."""
+            pages = [table_page(refs_t, index)]
+            if ahead[1] is not None:
+                _, n_refs, n_first, _ = ahead[1]
+                pages.append(table_page(n_refs, n_first + index - last))
+            return tuple(pages)
+
+        def prefetch(index, pages):
+            """The L2 prefetch of the walk's page ``index`` (``pages`` its
+            :func:`lookup`), where the walk has one."""
+            prefetch_page(fmt, refs_t, pages[0], (index >= first) & (index < last))
+            if ahead[1] is not None:
+                n_fmt, n_refs, n_first, n_last = ahead[1]
+                prefetch_page(n_fmt, n_refs, pages[1],
+                              (index >= last) & (n_first + index - last < n_last))
+
+        def with_next_tier(loop_body, lo, hi):
+            """``loop_body`` asking, once, at the step that leaves this tier
+            cfg.l2_prefetch_next pages or fewer to walk (its first where it has fewer),
+            for the next tier's first that many pages: its loop's first loads then
+            find them on their way. Their IDs are read before the loop."""
+            if ahead[1] is None:
+                return loop_body
+            n_fmt, n_refs, n_first, n_last = ahead[1]
+            count = cfg.l2_prefetch_next
+            ids = [table_page(n_refs, n_first + i) for i in range(count)]
+            per_step = n_lanes if laned else 1
+            trigger = jnp.maximum(hi - (count + per_step - 1) // per_step, lo)
+
+            def ask():
+                for i, page in enumerate(ids):
+                    prefetch_page(n_fmt, n_refs, page, n_first + i < n_last)
+
+            def step(j, carry):
+                lax.cond(j == trigger, ask, lambda: None)
+                return loop_body(j, carry)
+            return step
+
+        def with_prefetch(loop_body, targets):
+            """``loop_body`` asking for the pages ``targets(j)`` at step ``j``, their IDs
+            read a step before (carried), so that the request waits for no table read."""
+            def step(j, state):
+                carry, pages = state
+                for index, ids in zip(targets(j), pages):
+                    prefetch(index, ids)
+                return loop_body(j, carry), tuple(lookup(i) for i in targets(j + 1))
+            return step
 
         def page_id(index):
             """The table entry ``index`` of the row. Entries ``first + r`` come from the
@@ -644,9 +740,22 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             qv = q_sum if fmt.quantized else q_full.astype(jnp.float32)
             at_loop(first + last + lax.bitcast_convert_type(jnp.max(qv), jnp.int32))
         if laned:
-            steps = ((last - first) * n_sub + n_lanes - 1) // n_lanes
-            return lax.fori_loop(0, steps, lane_body, carry), next_offset
-        return lax.fori_loop(first * n_sub, last * n_sub, body, carry), next_offset
+            lo, hi = 0, ((last - first) * n_sub + n_lanes - 1) // n_lanes
+            loop_body = lane_body
+            targets = lambda j: [first + j * n_lanes + cfg.l2_prefetch + r  # noqa: E731
+                                 for r in range(n_lanes)]
+        else:
+            lo, hi, loop_body = first * n_sub, last * n_sub, body
+            targets = lambda j: [j + cfg.l2_prefetch]  # noqa: E731
+        if ahead is None or n_sub > 1:
+            return lax.fori_loop(lo, hi, loop_body, carry), next_offset
+        if not cfg.l2_prefetch:  # cfg.l2_prefetch_next alone
+            return lax.fori_loop(lo, hi, with_next_tier(loop_body, lo, hi), carry), next_offset
+        if ahead[0]:  # the walk's first pages
+            for i in range(cfg.l2_prefetch):
+                prefetch(first + i, lookup(first + i))
+        state = (carry, tuple(lookup(i) for i in targets(lo)))
+        return lax.fori_loop(lo, hi, with_prefetch(loop_body, targets), state)[0], next_offset
 
     def value_exponents(fmt: TierFormat) -> tuple[int, ...]:
         """Per value accumulator, the power of two its codes carry in this tier's dots
@@ -678,6 +787,17 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
              jnp.zeros(r_shape, jnp.float32), jnp.zeros((Gp,), jnp.float32))
     offset = jnp.int32(0)
     early = early_loads() if cfg.early_row_loads else [None] * len(tiers)
+    ahead = [None] * len(tiers)
+    if cfg.l2_prefetch or cfg.l2_prefetch_next:  # every tier's pages of the item
+        spans, span_offset = [], jnp.int32(0)
+        for t, fmt in enumerate(tiers):
+            first_t, last_t, span_offset = tier_range(t, fmt, tier_refs[6 * t + 5][s_i, h_i],
+                                                      span_offset)
+            spans.append((first_t, last_t))
+        for t in range(len(tiers)):
+            nxt = (None if t + 1 == len(tiers) else
+                   (tiers[t + 1], tier_refs[6 * (t + 1):6 * (t + 2)], *spans[t + 1]))
+            ahead[t] = (t == 0, nxt)
     exps = value_exponents(tiers[0])
     for t, fmt in enumerate(tiers):
         tier_exps = value_exponents(fmt)
@@ -688,7 +808,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             at_loop = lambda value: stamp(value, "loop_ns", "loop_cycles")  # noqa: E731
         carry, offset = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
                                   s_refs[t] if s_refs else None, carry, offset, early[t],
-                                  at_loop)
+                                  at_loop, ahead[t])
     accs, m, l, r, z = carry
     if trace_ref is not None:  # after the last tier's loop
         stamp(jnp.max(l), "loop_end_ns", "loop_end_cycles")

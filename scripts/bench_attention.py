@@ -186,10 +186,14 @@ def main() -> int:
                 out["padded_rows"] = int(val)
             elif k == "kc" and val.isdigit() and int(val) % 16 == 0:
                 out["key_chunk"] = int(val)
+            elif k == "pf" and val.isdigit():
+                out["l2_prefetch"] = int(val)
+            elif k == "pn" and val.isdigit():
+                out["l2_prefetch_next"] = int(val)
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
                                  "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), "
-                                 "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4, pr=8|16, kc=16n)")
+                                 "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4, pr=8|16, kc=16n, pf=N, pn=N)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -228,7 +232,9 @@ def main() -> int:
                                                                 "values_in_place",
                                                                 "split_pages",
                                                                 "lane_meta_select",
-                                                                "page_lanes", "key_chunk")
+                                                                "page_lanes", "key_chunk",
+                                                                "l2_prefetch",
+                                                                "l2_prefetch_next")
                                           if k in tune})
         tile_rows = tune.get("padded_rows") or pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)

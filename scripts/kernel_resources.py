@@ -172,6 +172,12 @@ def main() -> int:
     p.add_argument("--key-chunk", default="0",
                    help="LaunchConfig.key_chunk values (key bytes per dot; 0: the whole "
                         "row, labelled K<n> otherwise)")
+    p.add_argument("--prefetch", default="0",
+                   help="LaunchConfig.l2_prefetch values (pages ahead asked of the L2 "
+                        "cache; 0: none, labelled P<n> otherwise)")
+    p.add_argument("--prefetch-next", type=int, default=0,
+                   help="LaunchConfig.l2_prefetch_next (the next tier's first pages asked "
+                        "of the L2 cache near a tier's end; labelled N<n>)")
     p.add_argument("--rows", type=int, default=0,
                    help="query rows of the kernel's tiles (0: tile_rows, 8 with --transposed "
                         "1 for groups up to 8, else 16); 16 with --transposed 1 gives a "
@@ -205,12 +211,13 @@ def main() -> int:
     D, G = args.head_dim, args.group
     print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
           f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
-    for (spec, warps, stages, sub, lanes, kchunk, trans, merged, early, split, vip,
+    for (spec, warps, stages, sub, lanes, kchunk, ahead, trans, merged, early, split, vip,
          msel) in itertools.product(
             args.tiers.split(","), [int(x) for x in args.warps.split(",")],
             [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")],
             [int(x) for x in args.lanes.split(",")],
             [int(x) for x in args.key_chunk.split(",")],
+            [int(x) for x in args.prefetch.split(",")],
             *(flags(text) for text in (args.transposed, args.merged, args.early, args.split,
                                        args.in_place, args.meta_select))):
         tiers, caps = [], []
@@ -231,7 +238,8 @@ def main() -> int:
         cfg = pdk.LaunchConfig(num_warps=warps, num_stages=stages, sub_slots=sub,
                                page_lanes=lanes, transposed=trans, early_row_loads=early,
                                split_pages=split, values_in_place=vip,
-                               lane_meta_select=msel, key_chunk=kchunk)
+                               lane_meta_select=msel, key_chunk=kchunk, l2_prefetch=ahead,
+                               l2_prefetch_next=0 if ahead else args.prefetch_next)
         rows = args.rows or pdk.tile_rows(G, trans)
         n_lanes = cfg.lanes(rows, G)
         if n_lanes > 1:  # tiers of pages up to lane_slots walk a page per lane per step
@@ -253,14 +261,18 @@ def main() -> int:
                 + (f"_lanes{n_lanes}" if n_lanes > 1 else "") + ("_tr" if trans else "")
                 + ("_merged" if merged else "") + ("_early" if early else "")
                 + ("_split" if split else "") + ("_vip" if vip else "")
-                + ("_msel" if msel else "") + (f"_kc{kchunk}" if kchunk else ""))
+                + ("_msel" if msel else "") + (f"_kc{kchunk}" if kchunk else "")
+                + (f"_pf{ahead}" if ahead else "")
+                + (f"_pn{cfg.l2_prefetch_next}" if cfg.l2_prefetch_next else ""))
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
             fh.write(strip_locations(triton_ir(fn, q)))
         label = (spec + (f" /{sub}" if sub else "") + (f" x{n_lanes}" if n_lanes > 1 else "")
                  + (" T" if trans else "") + (" M" if merged else "") + (" E" if early else "")
                  + (" S" if split else "") + (" V" if vip else "")
-                 + (" L" if msel else "") + (f" K{kchunk}" if kchunk else ""))
+                 + (" L" if msel else "") + (f" K{kchunk}" if kchunk else "")
+                 + (f" P{ahead}" if ahead else "")
+                 + (f" N{cfg.l2_prefetch_next}" if cfg.l2_prefetch_next else ""))
         line = f"{label:24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")
