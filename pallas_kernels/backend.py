@@ -197,7 +197,7 @@ def read_clock(dep, which: str):
 # program is one warp whose loop waits on its own loads: the pipeline's stages in
 # shared memory hold two or three steps, and more stages would cost programs per
 # multiprocessor. A prefetch into L2 costs no register or shared memory (one
-# bulk-prefetch instruction of one thread per page, sm_90), so the pages a few steps
+# bulk-prefetch instruction of one thread per page part, sm_90), so the pages a few steps
 # ahead are on their way while the loop works, and its own loads find them in L2.
 # Pallas has no such operation, so this primitive lowers, in the Triton lowering
 # only, to inline PTX on the address of ``ref[index, 0, ...]``; it reads nothing
@@ -291,8 +291,8 @@ L2_PREFETCH = _register_triton_prefetch()
 def prefetch_l2(ref, index, elements: int, when=True) -> None:
     """Ask the L2 cache for ``elements`` elements of ``ref`` from ``ref[index, 0, ...]``
     (``index`` an int32 scalar, in bounds; the address a multiple of 16 bytes, and
-    at least 16 bytes asked: the bulk prefetch's rules) inside a compiled Triton kernel, where
-    ``when`` (a bool scalar) holds. A hint: it returns nothing, and outside a compiled
+    at least 16 bytes asked: the bulk prefetch's rules) inside a compiled Triton
+    kernel, where ``when`` (a bool scalar) holds. A hint: it returns nothing, and outside a compiled
     GPU kernel (interpret mode) the caller leaves it out."""
     if L2_PREFETCH:
         prefetch_l2_p.bind(ref, jnp.asarray(index, jnp.int32), jnp.asarray(when, jnp.bool_),

@@ -222,13 +222,16 @@ class LaunchConfig:
     # its start the item's first pages, then at every step those this many pages
     # past the step's, across into the next tier's first pages near a tier's end
     # (pages, metadata and 16-bit value pages alike; page walks of one page per
-    # step only). A bulk prefetch of one thread per page (sm_90), compiled launches
-    # only: the loop's own loads, two or three steps ahead in shared memory, then
-    # find the pages on their way. The results are the same.
+    # step only). A bulk prefetch of one thread per page part (sm_90), compiled
+    # launches only: the loop's own loads, two or three steps ahead in shared
+    # memory, then find the pages on their way. The results are the same; the
+    # launch is slower (the requests cost more than they save: docs/benchmarks.md
+    # 3.0.0r), so it is off.
     l2_prefetch: int = 0
     # Without l2_prefetch: the next tier's first pages (this many) asked of the L2
     # cache once, at the step that leaves a tier that many pages or fewer, so that
-    # the next tier's loop, which fills its pipeline again, finds them on their way.
+    # the next tier's loop, which fills its pipeline again, finds them on their way
+    # (timed no faster, 3.0.0r: off).
     l2_prefetch_next: int = 0
 
     def __post_init__(self):
@@ -493,7 +496,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
 
     def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry, offset, early=None,
                   at_loop=None, ahead=None):
-        """``ahead``: with cfg.l2_prefetch, ``(starts, next)``: whether this loop also
+        """``ahead``: with cfg.l2_prefetch or cfg.l2_prefetch_next, ``(starts, next)``:
+        whether this loop also
         asks for the walk's first pages (the first tier's), and the next tier's
         ``(fmt, refs, first, last)`` (None for the last tier)."""
         k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
