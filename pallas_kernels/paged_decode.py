@@ -495,10 +495,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 backend.prefetch_l2(ref, page, elements, when)
 
     def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry, offset, early=None,
-                  at_loop=None, ahead=None):
-        """``ahead``: with cfg.l2_prefetch or cfg.l2_prefetch_next, ``(starts, next)``:
-        whether this loop also
-        asks for the walk's first pages (the first tier's), and the next tier's
+                  at_loop=None, nxt=None):
+        """``nxt``: with cfg.l2_prefetch or cfg.l2_prefetch_next, the next tier's
         ``(fmt, refs, first, last)`` (None for the last tier)."""
         k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
         n_tok = ntok_ref[s_i, h_i] if early is None else early[0]
@@ -508,8 +506,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             """The page IDs the walk's page ``index`` may be: this tier's, and past its
             last page the next tier's (its pages follow)."""
             pages = [table_page(refs_t, index)]
-            if ahead[1] is not None:
-                _, n_refs, n_first, _ = ahead[1]
+            if nxt is not None:
+                _, n_refs, n_first, _ = nxt
                 pages.append(table_page(n_refs, n_first + index - last))
             return tuple(pages)
 
@@ -517,8 +515,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             """The L2 prefetch of the walk's page ``index`` (``pages`` its
             :func:`lookup`), where the walk has one."""
             prefetch_page(fmt, refs_t, pages[0], (index >= first) & (index < last))
-            if ahead[1] is not None:
-                n_fmt, n_refs, n_first, n_last = ahead[1]
+            if nxt is not None:
+                n_fmt, n_refs, n_first, n_last = nxt
                 prefetch_page(n_fmt, n_refs, pages[1],
                               (index >= last) & (n_first + index - last < n_last))
 
@@ -527,9 +525,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             cfg.l2_prefetch_next pages or fewer to walk (its first where it has fewer),
             for the next tier's first that many pages: its loop's first loads then
             find them on their way. Their IDs are read before the loop."""
-            if ahead[1] is None:
+            if nxt is None:
                 return loop_body
-            n_fmt, n_refs, n_first, n_last = ahead[1]
+            n_fmt, n_refs, n_first, n_last = nxt
             count = cfg.l2_prefetch_next
             ids = [table_page(n_refs, n_first + i) for i in range(count)]
             per_step = n_lanes if laned else 1
@@ -751,11 +749,11 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         else:
             lo, hi, loop_body = first * n_sub, last * n_sub, body
             targets = lambda j: [j + cfg.l2_prefetch]  # noqa: E731
-        if ahead is None or n_sub > 1:
+        if not (cfg.l2_prefetch or cfg.l2_prefetch_next) or n_sub > 1:
             return lax.fori_loop(lo, hi, loop_body, carry), next_offset
         if not cfg.l2_prefetch:  # cfg.l2_prefetch_next alone
             return lax.fori_loop(lo, hi, with_next_tier(loop_body, lo, hi), carry), next_offset
-        if ahead[0]:  # the walk's first pages
+        if t == 0:  # the first tier's loop also asks for the walk's first pages
             for i in range(cfg.l2_prefetch):
                 prefetch(first + i, lookup(first + i))
         state = (carry, tuple(lookup(i) for i in targets(lo)))
@@ -791,17 +789,14 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
              jnp.zeros(r_shape, jnp.float32), jnp.zeros((Gp,), jnp.float32))
     offset = jnp.int32(0)
     early = early_loads() if cfg.early_row_loads else [None] * len(tiers)
-    ahead = [None] * len(tiers)
-    if cfg.l2_prefetch or cfg.l2_prefetch_next:  # every tier's pages of the item
-        spans, span_offset = [], jnp.int32(0)
+    next_tier = [None] * len(tiers)  # per tier, the next tier's pages of the item
+    if cfg.l2_prefetch or cfg.l2_prefetch_next:
+        span_offset = jnp.int32(0)
         for t, fmt in enumerate(tiers):
             first_t, last_t, span_offset = tier_range(t, fmt, tier_refs[6 * t + 5][s_i, h_i],
                                                       span_offset)
-            spans.append((first_t, last_t))
-        for t in range(len(tiers)):
-            nxt = (None if t + 1 == len(tiers) else
-                   (tiers[t + 1], tier_refs[6 * (t + 1):6 * (t + 2)], *spans[t + 1]))
-            ahead[t] = (t == 0, nxt)
+            if t:
+                next_tier[t - 1] = (fmt, tier_refs[6 * t:6 * t + 6], first_t, last_t)
     exps = value_exponents(tiers[0])
     for t, fmt in enumerate(tiers):
         tier_exps = value_exponents(fmt)
@@ -812,7 +807,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             at_loop = lambda value: stamp(value, "loop_ns", "loop_cycles")  # noqa: E731
         carry, offset = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
                                   s_refs[t] if s_refs else None, carry, offset, early[t],
-                                  at_loop, ahead[t])
+                                  at_loop, next_tier[t])
     accs, m, l, r, z = carry
     if trace_ref is not None:  # after the last tier's loop
         stamp(jnp.max(l), "loop_end_ns", "loop_end_cycles")
