@@ -29,6 +29,24 @@ def launch_case(tier_set, D, G, seed):
     return q, tiers
 
 
+def interpret_case(tier_set, D, G, pad, kw, work_items, seed):
+    """``(cfg, run)`` of an interpret-mode launch case: ``run(cfg)`` launches it over
+    random tiers (even splits, or ``work_items`` planned over three active rows of
+    five), q padded to ``pad`` rows in memory where given."""
+    q, tiers = launch_case(tier_set, D, G, seed)
+    cfg = pdk.LaunchConfig(num_splits=3, dot_dtype="float32", logits_dtype="float32", **kw)
+    qk = q if pad is None else pdk.pad_group(q, pad)
+    work = None
+    if work_items is not None:
+        active = jnp.asarray([True, False, True, True, False])
+        work = pdk.plan_work(pdk.row_pages(tiers, active, cfg.tier_weights), work_items)
+
+    def run(c):
+        return pdk.paged_decode_partials(qk, tiers, group=G, cfg=c, work=work, interpret=True)
+
+    return cfg, run
+
+
 def both_ways(run, cfg):
     """``run(cfg)``'s outputs without and with the early loads."""
     a = run(dataclasses.replace(cfg, early_row_loads=False))
@@ -49,17 +67,7 @@ def both_ways(run, cfg):
 ])
 @pytest.mark.parametrize("work_items", [None, 11, 16, 64])
 def test_early_loads_give_identical_partials(tier_set, D, G, pad, kw, work_items):
-    q, tiers = launch_case(tier_set, D, G, seed=work_items or 0)
-    cfg = pdk.LaunchConfig(num_splits=3, dot_dtype="float32", logits_dtype="float32", **kw)
-    qk = q if pad is None else pdk.pad_group(q, pad)
-    work = None
-    if work_items is not None:
-        active = jnp.asarray([True, False, True, True, False])
-        work = pdk.plan_work(pdk.row_pages(tiers, active, cfg.tier_weights), work_items)
-
-    def run(c):
-        return pdk.paged_decode_partials(qk, tiers, group=G, cfg=c, work=work, interpret=True)
-
+    cfg, run = interpret_case(tier_set, D, G, pad, kw, work_items, seed=work_items or 0)
     plain, early = both_ways(run, cfg)
     assert np.isfinite(np.asarray(plain[0])).all()
     for x, y in zip(plain, early):

@@ -19,7 +19,7 @@ from pallas_kernels import backend
 from pallas_kernels import paged_decode as pdk
 
 from tests.test_early_row_loads import (COMPILED_CASES, assert_equal_where_written,
-                                        compiled_case, launch_case)
+                                        compiled_case, interpret_case)
 from tests.test_paged_decode_kernel import lowering_tiers
 
 
@@ -42,17 +42,7 @@ def both_ways(run, cfg, ahead=3, field="l2_prefetch"):
     (None, 1, "l2_prefetch"), (16, 3, "l2_prefetch"), (64, 8, "l2_prefetch"),
     (16, 2, "l2_prefetch_next"), (64, 5, "l2_prefetch_next")])
 def test_prefetch_gives_identical_partials(tier_set, D, G, pad, kw, work_items, ahead, field):
-    q, tiers = launch_case(tier_set, D, G, seed=work_items or 1)
-    cfg = pdk.LaunchConfig(num_splits=3, dot_dtype="float32", logits_dtype="float32", **kw)
-    qk = q if pad is None else pdk.pad_group(q, pad)
-    work = None
-    if work_items is not None:
-        active = jnp.asarray([True, False, True, True, False])
-        work = pdk.plan_work(pdk.row_pages(tiers, active, cfg.tier_weights), work_items)
-
-    def run(c):
-        return pdk.paged_decode_partials(qk, tiers, group=G, cfg=c, work=work, interpret=True)
-
+    cfg, run = interpret_case(tier_set, D, G, pad, kw, work_items, seed=work_items or 1)
     plain, ahead_out = both_ways(run, cfg, ahead, field)
     assert np.isfinite(np.asarray(plain[0])).all()
     for x, y in zip(plain, ahead_out):
