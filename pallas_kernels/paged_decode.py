@@ -233,6 +233,13 @@ class LaunchConfig:
     # the next tier's loop, which fills its pipeline again, finds them on their way
     # (timed no faster, 3.0.0r: off).
     l2_prefetch_next: int = 0
+    # Quantized tiers walked a whole page per step by one lane (not page lanes, not
+    # sub_slots): this many consecutive pages of the item per step, each page's dots
+    # as before, one running-max check and row sum for them all. A step's fixed work
+    # (that check and its branch, the pipeline's wait, the loop's own instructions)
+    # is then paid once per this many pages. The results are the same up to
+    # rounding; two pages per step are slower (docs/benchmarks.md 3.0.0s): off.
+    stack_pages: int = 1
 
     def __post_init__(self):
         if self.dot_dtype not in ("float16", "float32"):
@@ -254,6 +261,11 @@ class LaunchConfig:
         if self.l2_prefetch and self.l2_prefetch_next:
             raise ValueError("l2_prefetch already asks for the next tier's first pages; "
                              "l2_prefetch_next is its alternative")
+        if self.stack_pages < 1 or self.stack_pages & (self.stack_pages - 1):
+            # (the Triton lowering's tiles are powers of two)
+            raise ValueError(f"stack_pages must be a power of two, got {self.stack_pages}")
+        if self.stack_pages > 1 and (self.l2_prefetch or self.l2_prefetch_next):
+            raise ValueError("stack_pages and the L2 prefetches cannot be combined")
         if self.key_chunk < 0 or (self.key_chunk and self.key_chunk % 16):
             raise ValueError(f"key_chunk must be 0 or a multiple of 16, got {self.key_chunk}")
 
@@ -392,6 +404,24 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         rows = jnp.broadcast_to(per_row(jnp.minimum(g, stored - 1)), s.shape)
         mask = per_row(row_live & (g < stored)) & (tok < cols)
         plgpu.store(s_ref.at[s_i, h_i, rows, jnp.minimum(tok, cols - 1)], s, mask=mask)
+
+    def store_page_logits(s_ref, s, page, last, cap):
+        """The logits of the item's page ``page`` (``s``: its ``cap`` slots) to its
+        columns, where the page is the item's (``< last``): a stacked step's last pages
+        may lie past them, in another item's or past the row's table."""
+        stored = s_ref.shape[2]
+        s = s.astype(s_ref.dtype)
+        col = jnp.minimum(page, last - 1) * cap  # inside the table wherever it is stored
+        if interpret:  # sequential programs: a read-modify-write
+            win = (s_i, h_i, pl.ds(0, stored), pl.ds(col, cap))
+            s_ref[win] = jnp.where(page < last, (s.T if tr else s)[:stored], s_ref[win])
+            return
+        from jax.experimental.pallas import triton as plgpu
+
+        cols = col + lax.broadcasted_iota(jnp.int32, s.shape, slot_axis)
+        rows = jnp.broadcast_to(per_row(jnp.minimum(row_iota, stored - 1)), s.shape)
+        mask = jnp.broadcast_to(per_row(row_iota < stored) & (page < last), s.shape)
+        plgpu.store(s_ref.at[s_i, h_i, rows, cols], s, mask=mask)
 
     def rescale(s, carry):
         """Raise the running max to this page's only when it grew by more than
@@ -573,6 +603,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 page = jnp.where(index == first + r, entry, page)
             return page
         cap, n_sub, laned = tier_steps(fmt)
+        # Pages per step of a one-lane walk of whole pages (cfg.stack_pages).
+        stack = cfg.stack_pages if fmt.quantized and not laned and n_sub == 1 else 1
         col_iota = lax.broadcasted_iota(jnp.int32, (cap,), 0)
 
         if fmt.quantized:
@@ -646,7 +678,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             pv = (p * per_slot(vs)).astype(qdt)
             if magic:  # (p s) . (c + 1024): remove 1024 sum(p s) with the rounded weights,
                 # summed by the tensor cores (a dot with ones) rather than lane by lane
-                ones = jnp.ones((RW, cap), qdt)
+                ones = jnp.ones((RW, p.shape[slot_axis]), qdt)
                 r = (backend.dot_acc(r, ones, pv) if tr
                      else backend.dot_acc(r, pv, ones, trans_b=True))
             return pv, r, z + jnp.sum(p * per_slot(vz), axis=slot_axis)
@@ -676,6 +708,37 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 return accs, m, l, r, z
             pv, r, z = value_weights(p, vm_ref[page, pl.ds(at, cap)], r, z)
             return value_dots(accs, pv, page, at), m, l, r, z
+
+        def stacked_body(j, carry):
+            """One step over the item's pages ``first + j * stack + i`` (``i < stack``):
+            each page's dots as in :func:`body`, one running-max check for them all.
+            Pages past the item's last are clamped to it and masked off."""
+            base = first + j * stack
+            pages = [in_pool(page_id(jnp.minimum(base + i, last - 1))) for i in range(stack)]
+            end_tok = jnp.minimum(n_tok, last * cap)
+            s_all = []
+            for i, page in enumerate(pages):
+                live = per_slot((base + i) * cap + col_iota < end_tok)
+                if n_lanes > 1:
+                    live = live & per_row(lane_of_row == 0)
+                s = jnp.where(live, logits(key_dot(page, 0), km_ref[page, pl.ds(0, cap)]),
+                              NEG_INF)
+                if s_ref is not None:
+                    store_page_logits(s_ref, s, base + i, last, cap)
+                s_all.append(s)
+            s_max = s_all[0]
+            for s in s_all[1:]:
+                s_max = jnp.maximum(s_max, s)
+            accs, m, l, r, z = rescale(s_max, carry)
+            p_all = [jnp.exp2(s - per_row(m)) for s in s_all]
+            p_sum = p_all[0]
+            for p in p_all[1:]:
+                p_sum = p_sum + p
+            l = l + jnp.sum(p_sum, axis=slot_axis)
+            for page, p in zip(pages, p_all):
+                pv, r, z = value_weights(p, vm_ref[page, pl.ds(0, cap)], r, z)
+                accs = value_dots(accs, pv, page, 0)
+            return accs, m, l, r, z
 
         def lane_body(j, carry):
             """One step over ``n_lanes`` parts: lane r takes part u0 + j * n_lanes + r of
@@ -746,6 +809,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             loop_body = lane_body
             targets = lambda j: [first + j * n_lanes + cfg.l2_prefetch + r  # noqa: E731
                                  for r in range(n_lanes)]
+        elif stack > 1:
+            lo, hi, loop_body = 0, (last - first + stack - 1) // stack, stacked_body
         else:
             lo, hi, loop_body = first * n_sub, last * n_sub, body
             targets = lambda j: [j + cfg.l2_prefetch]  # noqa: E731

@@ -103,7 +103,8 @@ def main() -> int:
                         "m=rows|segments|last (the merge), el=0|1 (the row's loads before "
                         "the first loop: LaunchConfig.early_row_loads), sn=P (cuts onto the "
                         "tier boundary), vp=0|1, sp=0|1, ms=0|1 (values in place, split "
-                        "pages, lanes' metadata once), pl=1|2|4 (page lanes)")
+                        "pages, lanes' metadata once), pl=1|2|4 (page lanes), sx=1|2|4 (pages "
+                        "per step of the tiers one lane walks: LaunchConfig.stack_pages)")
     p.add_argument("--no-kernel-time", action="store_true",
                    help="with --chain, skip the profiler trace that times the attention "
                         "kernels alone")
@@ -190,10 +191,13 @@ def main() -> int:
                 out["l2_prefetch"] = int(val)
             elif k == "pn" and val.isdigit():
                 out["l2_prefetch_next"] = int(val)
+            elif k == "sx" and val in ("1", "2", "4"):
+                out["stack_pages"] = int(val)
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
                                  "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), "
-                                 "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4, pr=8|16, kc=16n, pf=N, pn=N)")
+                                 "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4, pr=8|16, kc=16n, pf=N, pn=N, "
+                                 "sx=1|2|4)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -234,7 +238,8 @@ def main() -> int:
                                                                 "lane_meta_select",
                                                                 "page_lanes", "key_chunk",
                                                                 "l2_prefetch",
-                                                                "l2_prefetch_next")
+                                                                "l2_prefetch_next",
+                                                                "stack_pages")
                                           if k in tune})
         tile_rows = tune.get("padded_rows") or pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)

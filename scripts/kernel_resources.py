@@ -178,6 +178,9 @@ def main() -> int:
     p.add_argument("--prefetch-next", type=int, default=0,
                    help="LaunchConfig.l2_prefetch_next (the next tier's first pages asked "
                         "of the L2 cache near a tier's end; labelled N<n>)")
+    p.add_argument("--stack", default="1",
+                   help="LaunchConfig.stack_pages values (pages per step of the tiers "
+                        "walked a whole page per step by one lane; labelled X<n>)")
     p.add_argument("--rows", type=int, default=0,
                    help="query rows of the kernel's tiles (0: tile_rows, 8 with --transposed "
                         "1 for groups up to 8, else 16); 16 with --transposed 1 gives a "
@@ -211,13 +214,14 @@ def main() -> int:
     D, G = args.head_dim, args.group
     print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
           f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
-    for (spec, warps, stages, sub, lanes, kchunk, ahead, trans, merged, early, split, vip,
-         msel) in itertools.product(
+    for (spec, warps, stages, sub, lanes, kchunk, ahead, stack, trans, merged, early, split,
+         vip, msel) in itertools.product(
             args.tiers.split(","), [int(x) for x in args.warps.split(",")],
             [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")],
             [int(x) for x in args.lanes.split(",")],
             [int(x) for x in args.key_chunk.split(",")],
             [int(x) for x in args.prefetch.split(",")],
+            [int(x) for x in args.stack.split(",")],
             *(flags(text) for text in (args.transposed, args.merged, args.early, args.split,
                                        args.in_place, args.meta_select))):
         tiers, caps = [], []
@@ -239,12 +243,18 @@ def main() -> int:
                                page_lanes=lanes, transposed=trans, early_row_loads=early,
                                split_pages=split, values_in_place=vip,
                                lane_meta_select=msel, key_chunk=kchunk, l2_prefetch=ahead,
-                               l2_prefetch_next=0 if ahead else args.prefetch_next)
+                               l2_prefetch_next=0 if ahead else args.prefetch_next,
+                               stack_pages=stack)
         rows = args.rows or pdk.tile_rows(G, trans)
         n_lanes = cfg.lanes(rows, G)
+        # stacked pages: the quantized tiers walked a whole page per step by one lane
+        stacked = [int(part.split("-")[0]) < 16 and not sub and not (split and n_lanes > 1)
+                   and (n_lanes == 1 or c > cfg.lane_slots)
+                   for part, c in zip(spec.split("+"), caps)]
         if n_lanes > 1:  # tiers of pages up to lane_slots walk a page per lane per step
             # (split pages: a page per step, a part per lane)
             caps = [c * n_lanes if c <= cfg.lane_slots else c for c in caps]
+        caps = [c * stack if st else c for c, st in zip(caps, stacked)]
         # As the caches call it: q holds the group's rows, the kernel pads them to 16
         # (--padded-q: q padded in memory, as before padded_rows).
         q = jnp.zeros((1, 1, rows if args.padded_q else G, D), jnp.bfloat16)
@@ -263,7 +273,8 @@ def main() -> int:
                 + ("_split" if split else "") + ("_vip" if vip else "")
                 + ("_msel" if msel else "") + (f"_kc{kchunk}" if kchunk else "")
                 + (f"_pf{ahead}" if ahead else "")
-                + (f"_pn{cfg.l2_prefetch_next}" if cfg.l2_prefetch_next else ""))
+                + (f"_pn{cfg.l2_prefetch_next}" if cfg.l2_prefetch_next else "")
+                + (f"_x{stack}" if stack > 1 else ""))
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
             fh.write(strip_locations(triton_ir(fn, q)))
@@ -272,7 +283,8 @@ def main() -> int:
                  + (" S" if split else "") + (" V" if vip else "")
                  + (" L" if msel else "") + (f" K{kchunk}" if kchunk else "")
                  + (f" P{ahead}" if ahead else "")
-                 + (f" N{cfg.l2_prefetch_next}" if cfg.l2_prefetch_next else ""))
+                 + (f" N{cfg.l2_prefetch_next}" if cfg.l2_prefetch_next else "")
+                 + (f" X{stack}" if stack > 1 else ""))
         line = f"{label:24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")
