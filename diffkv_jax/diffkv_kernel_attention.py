@@ -31,7 +31,8 @@ WORK_ITEMS = 2048
 #: Decode programs a GPU multiprocessor holds at once, for :func:`pdk.plan_work`'s
 #: ``wave`` (:func:`plan_wave`; None: off). The timings of the one-warp decode
 #: programs fit 8 to a multiprocessor (1,056 on an H200; the ``triton`` package's
-#: sm_90 compile of the two-tier launch reports 219 registers, room for 9). With
+#: sm_90 compile of the two-tier launch reports 219 registers, room for 9; the
+#: two-warp programs of :data:`QUANTIZED_WARPS` take 127, 8 again). With
 #: items planned to fill one wave, uniform Llama3-8B batches of 32 rows take 0.207
 #: instead of 0.241 ms at 16K (50/50 mix) and 0.068 instead of 0.085 ms at 4K, and
 #: ragged engine-like batches 6 - 8% less (DiffKV) and 13 - 14% less (16-bit
@@ -72,6 +73,19 @@ PAGE_LANES = {128: 2}
 def page_lanes(head_dim: int) -> int:
     """Page lanes of the quantized launches at ``head_dim`` (1 off the GPU)."""
     return PAGE_LANES.get(head_dim, 1) if backend.on_gpu() else 1
+
+
+#: Warps per program of the quantized launches by head dim (``LaunchConfig.num_warps``;
+#: 1 for the rest). At head dim 128 two warps hold 127 registers a thread instead
+#: of about 200, the same 8 programs per multiprocessor, and a program with its
+#: multiprocessor to itself walks its item in 16% less time: the launch's last
+#: programs, which run with few others, end sooner (docs/benchmarks.md 3.0.0t).
+QUANTIZED_WARPS = {128: 2}
+
+
+def quantized_warps(head_dim: int) -> int:
+    """Warps per program of the quantized launches at ``head_dim``."""
+    return QUANTIZED_WARPS.get(head_dim, 1)
 
 
 #: Work units per page of the high and low tiers in a DiffKV launch's work items
@@ -120,14 +134,15 @@ LANE_META_SELECT = True
 def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
             weights: tuple = (), logits_dtype: str = "float16",
             early_row_loads: bool = False) -> pdk.LaunchConfig:
-    """The caches' launch settings; ``head_dim`` 0: without page lanes (16-bit pages);
-    ``transposed``: the quantized pages' tokens as the dot tiles' rows
+    """The caches' launch settings; ``head_dim`` 0: 16-bit pages (without page lanes
+    or more warps); ``transposed``: the quantized pages' tokens as the dot tiles' rows
     (``LaunchConfig.transposed``; query rows padded by :func:`_tile_rows`);
     ``weights``: work units per page of each tier (:data:`TIER_WEIGHTS`);
     ``logits_dtype``: the policy's logits as stored; ``early_row_loads``: see
     :class:`pdk.LaunchConfig`."""
     gpu = backend.on_gpu()
     return pdk.LaunchConfig(dot_dtype="float16" if gpu else "float32", emit_logits=emit_logits,
+                            num_warps=quantized_warps(head_dim) if head_dim else 1,
                             page_lanes=page_lanes(head_dim), transposed=transposed,
                             tier_weights=tuple(weights), logits_dtype=logits_dtype,
                             early_row_loads=early_row_loads,

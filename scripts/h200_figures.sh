@@ -158,23 +158,24 @@ sys.exit(pytest.main(["-q", "-m", "gpu", "tests/test_diffkv_kernel_path.py"]))
 EOF
     ;;
   registers)
-    # The decode launch compiles to 196 - 223 registers: 8 one-warp programs per
+    # The one-warp decode launch compiles to 196 - 223 registers: 8 programs per
     # multiprocessor; 12 need at most 168, 14 (its shared memory's limit) at most 128.
     # Under jax 0.11 a Pallas Triton kernel is XLA's Triton custom call, so XLA's ptxas
     # flags reach it, but ptxas ignores --maxrregcount for PTX that fixes its block
     # size (.reqntid) unless --override-directive-values. The flags apply to every
     # kernel of the process. The launch records printed say what each compile got.
     # First, without a cap (the baseline of the same machine): one warp per program
-    # against two (127 registers: the same 8 programs, twice the warps in flight).
+    # against two (the caches' launch at head dim 128 since docs/benchmarks.md 3.0.0t;
+    # 127 registers: the same 8 programs, twice the warps in flight).
     python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
       --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
-      --tune "m=last;m=last,nw=2" --json "$OUT/bench_attention_nocap_b32.json"
+      --tune "m=last,nw=1;m=last" --json "$OUT/bench_attention_nocap_b32.json"
     for CAP in ${REG_CAPS:-168 128}; do
       W=1584; [ "$CAP" -le 128 ] && W=1848
       XLA_FLAGS="--xla_gpu_ptx_compiler_extra_flags='--maxrregcount=$CAP --override-directive-values'" \
         python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
         --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
-        --tune "m=last,wave=$W" --json "$OUT/bench_attention_xlacap${CAP}_b32.json"
+        --tune "m=last,nw=1,wave=$W" --json "$OUT/bench_attention_xlacap${CAP}_b32.json"
     done ;;
   smollm2)
     # SmolLM2-135M's heads (9 q / 3 KV, d = 64) with the caches' launch: token tiles, the

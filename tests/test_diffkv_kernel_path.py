@@ -380,6 +380,40 @@ def test_page_lanes_decode_like_one_lane_on_gpu(tiny_model, monkeypatch):
     assert lanes.memory["frac_low"] > 0
 
 
+
+@pytest.mark.gpu
+def test_two_warps_decode_like_one_warp_on_gpu(tiny_model, monkeypatch):
+    # At head dim 128 the DiffKV launches run two warps per program
+    # (diffkv_kernel_attention.QUANTIZED_WARPS): the tile's reductions are split
+    # between the warps, so sums are reordered as with page lanes; the same bounds.
+    import jax
+
+    from diffkv_jax import diffkv_kernel_attention as dka
+    from models.llama import init_params
+
+    cfg = dataclasses.replace(tiny_model[0], head_dim=128)
+    params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    rng = np.random.default_rng(12)
+    docs = [list(rng.integers(0, cfg.vocab_size, size=100)) for _ in range(2)]
+    ref = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16,
+                      alpha_high=1.0, alpha_low=0.05, window=8)
+    ker = dataclasses.replace(ref, attention_impl="pallas")
+    runs = []
+    for warps in ({128: 2}, {}):
+        monkeypatch.setattr(dka, "QUANTIZED_WARPS", warps)
+        jax.clear_caches()  # the launch settings are read when the step is traced
+        runs.append(score_teacher_forced(cfg, params, ker, docs, 20, progress=False))
+    two, one = runs
+    plain = score_teacher_forced(cfg, params, ref, docs, 20, progress=False)
+    assert np.abs(two.nll - one.nll).max() < 5e-2
+    assert np.abs(two.nll - one.nll).mean() < 1e-2
+    assert (two.argmax == one.argmax).mean() > 0.98
+    for key in ("frac_high", "frac_low", "frac_pruned"):
+        assert abs(two.memory[key] - one.memory[key]) < 0.01
+    assert (np.abs(two.nll - plain.nll).mean()
+            <= 1.5 * np.abs(one.nll - plain.nll).mean() + 1e-3)
+    assert two.memory["frac_low"] > 0
+
 @pytest.mark.gpu
 def test_full_cache_merge_launch_serves_the_same_tokens_on_gpu(tiny_model):
     # The uncompressed cache's work items merged by one launch (the default where the
