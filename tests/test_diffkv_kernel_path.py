@@ -340,6 +340,43 @@ def test_merge_in_the_policy_launch_serves_eviction_baselines_the_same(tiny_mode
     np.testing.assert_allclose(runs[1][1], runs[0][1], rtol=2e-3, atol=1e-4)
 
 
+def _scores_with_and_without(tiny_model, monkeypatch, switch: str, seed: int):
+    """Teacher-forced scores of a random head-dim-128 model through the DiffKV kernel
+    launches with ``diffkv_kernel_attention.<switch>`` at ``{128: 2}`` and at ``{}``,
+    and through the float32 jnp path: ``(with, without, plain)``."""
+    import jax
+
+    from diffkv_jax import diffkv_kernel_attention as dka
+    from models.llama import init_params
+
+    cfg = dataclasses.replace(tiny_model[0], head_dim=128)
+    params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
+    rng = np.random.default_rng(seed)
+    docs = [list(rng.integers(0, cfg.vocab_size, size=100)) for _ in range(2)]
+    ref = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16,
+                      alpha_high=1.0, alpha_low=0.05, window=8)
+    ker = dataclasses.replace(ref, attention_impl="pallas")
+    runs = []
+    for value in ({128: 2}, {}):
+        monkeypatch.setattr(dka, switch, value)
+        jax.clear_caches()  # the launch settings are read when the step is traced
+        runs.append(score_teacher_forced(cfg, params, ker, docs, 20, progress=False))
+    return (*runs, score_teacher_forced(cfg, params, ref, docs, 20, progress=False))
+
+
+def _assert_decodes_alike(new, one, plain):
+    """Likelihoods, greedy tokens and the tier mix of ``new`` stay with ``one``'s, and
+    ``new`` is no farther from the float32 path ``plain`` than ``one``."""
+    assert np.abs(new.nll - one.nll).max() < 5e-2
+    assert np.abs(new.nll - one.nll).mean() < 1e-2
+    assert (new.argmax == one.argmax).mean() > 0.98
+    for key in ("frac_high", "frac_low", "frac_pruned"):
+        assert abs(new.memory[key] - one.memory[key]) < 0.01
+    assert (np.abs(new.nll - plain.nll).mean()
+            <= 1.5 * np.abs(one.nll - plain.nll).mean() + 1e-3)
+    assert new.memory["frac_low"] > 0
+
+
 @pytest.mark.gpu
 def test_page_lanes_decode_like_one_lane_on_gpu(tiny_model, monkeypatch):
     # At head dim 128 the DiffKV launches walk two K8V4 pages per loop step
@@ -349,36 +386,9 @@ def test_page_lanes_decode_like_one_lane_on_gpu(tiny_model, monkeypatch):
     # float32 jnp path at worst, ~0.02 on average; the lane merge only reorders
     # sums, which moves a later token's 8-bit codes now and then: measured on the
     # H200, max 0.025, mean 0.006 from one lane, tokens and tiers identical.)
-    import jax
-
-    from diffkv_jax import diffkv_kernel_attention as dka
-    from models.llama import init_params
-
-    cfg = dataclasses.replace(tiny_model[0], head_dim=128)
-    params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
-    rng = np.random.default_rng(11)
-    docs = [list(rng.integers(0, cfg.vocab_size, size=100)) for _ in range(2)]
-    ref = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16,
-                      alpha_high=1.0, alpha_low=0.05, window=8)
-    ker = dataclasses.replace(ref, attention_impl="pallas")
-    runs = []
-    for lanes in ({128: 2}, {}):
-        monkeypatch.setattr(dka, "PAGE_LANES", lanes)
-        jax.clear_caches()  # the launch settings are read when the step is traced
-        runs.append(score_teacher_forced(cfg, params, ker, docs, 20, progress=False))
-    lanes, one = runs
+    lanes, one, plain = _scores_with_and_without(tiny_model, monkeypatch, "PAGE_LANES", 11)
     assert not np.array_equal(lanes.nll, one.nll)  # the two launches did differ
-    plain = score_teacher_forced(cfg, params, ref, docs, 20, progress=False)
-    assert np.abs(lanes.nll - one.nll).max() < 5e-2
-    assert np.abs(lanes.nll - one.nll).mean() < 1e-2
-    assert (lanes.argmax == one.argmax).mean() > 0.98
-    for key in ("frac_high", "frac_low", "frac_pruned"):
-        assert abs(lanes.memory[key] - one.memory[key]) < 0.01
-    # and no farther from the float32 path than the one-lane launch
-    assert (np.abs(lanes.nll - plain.nll).mean()
-            <= 1.5 * np.abs(one.nll - plain.nll).mean() + 1e-3)
-    assert lanes.memory["frac_low"] > 0
-
+    _assert_decodes_alike(lanes, one, plain)
 
 
 @pytest.mark.gpu
@@ -386,33 +396,9 @@ def test_two_warps_decode_like_one_warp_on_gpu(tiny_model, monkeypatch):
     # At head dim 128 the DiffKV launches run two warps per program
     # (diffkv_kernel_attention.QUANTIZED_WARPS): the tile's reductions are split
     # between the warps, so sums are reordered as with page lanes; the same bounds.
-    import jax
+    two, one, plain = _scores_with_and_without(tiny_model, monkeypatch, "QUANTIZED_WARPS", 12)
+    _assert_decodes_alike(two, one, plain)
 
-    from diffkv_jax import diffkv_kernel_attention as dka
-    from models.llama import init_params
-
-    cfg = dataclasses.replace(tiny_model[0], head_dim=128)
-    params = init_params(cfg, jax.random.PRNGKey(0), jnp.float32)
-    rng = np.random.default_rng(12)
-    docs = [list(rng.integers(0, cfg.vocab_size, size=100)) for _ in range(2)]
-    ref = make_method("diffkv", cfg, max_seqs=2, max_context=128, page_size=16,
-                      alpha_high=1.0, alpha_low=0.05, window=8)
-    ker = dataclasses.replace(ref, attention_impl="pallas")
-    runs = []
-    for warps in ({128: 2}, {}):
-        monkeypatch.setattr(dka, "QUANTIZED_WARPS", warps)
-        jax.clear_caches()  # the launch settings are read when the step is traced
-        runs.append(score_teacher_forced(cfg, params, ker, docs, 20, progress=False))
-    two, one = runs
-    plain = score_teacher_forced(cfg, params, ref, docs, 20, progress=False)
-    assert np.abs(two.nll - one.nll).max() < 5e-2
-    assert np.abs(two.nll - one.nll).mean() < 1e-2
-    assert (two.argmax == one.argmax).mean() > 0.98
-    for key in ("frac_high", "frac_low", "frac_pruned"):
-        assert abs(two.memory[key] - one.memory[key]) < 0.01
-    assert (np.abs(two.nll - plain.nll).mean()
-            <= 1.5 * np.abs(one.nll - plain.nll).mean() + 1e-3)
-    assert two.memory["frac_low"] > 0
 
 @pytest.mark.gpu
 def test_full_cache_merge_launch_serves_the_same_tokens_on_gpu(tiny_model):
