@@ -104,6 +104,10 @@ TIER_WEIGHTS = {HI: 1, LO: 2}
 #: at its boundary, the item across it walks a few pages of one tier and pays its
 #: second loop's start for them.
 TIER_SNAP = 0.0
+#: Work units the plan counts for the second loop's start of an item that holds
+#: both tiers of its row (``pdk.plan_work(gap=)``; 0: off): that item then holds
+#: fewer pages. Below :func:`min_item_units` of the weights.
+TIER_GAP = 0
 
 
 def tier_weights(tiers=(HI, LO)) -> tuple:
@@ -233,10 +237,11 @@ def plan_decode_work(method, state, active) -> pdk.WorkList:
     N = work_items(S, H)
     weights = tier_weights(tiers)
     snap = TIER_SNAP if len(tiers) > 1 else 0.0
+    gap = TIER_GAP if len(tiers) > 1 and not snap else 0
 
     def plan(p, b):
         w = pdk.plan_work(p, N, min_pages=min_item_units(weights), wave=plan_wave(),
-                          bounds=b, snap=snap, max_weight=max(weights))
+                          bounds=b, snap=snap, max_weight=max(weights), gap=gap)
         return w.items, w.seg, w.ranges
 
     items, seg, ranges = jax.vmap(plan)(pages, bounds)

@@ -1065,7 +1065,7 @@ def tier_bounds(tiers: Sequence[TierInput], weights: Sequence[int] = ()):
 
 def plan_work(pages, num_items: int, *, min_pages: int = 2,
               wave: int | None = None, bounds=None, snap: float = 0.0,
-              max_weight: int = 1) -> WorkList:
+              max_weight: int = 1, gap: int = 0) -> WorkList:
     """Balanced work items over the rows' pages ``[S, H]`` (:func:`row_pages`), on the
     device.
 
@@ -1088,11 +1088,32 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2,
     ``C + snap * C / i`` units each, ``i`` the items on that side, and at least
     ``max_weight`` (the heaviest tier's units per page: each still holds a page;
     the cut stays where that would fail).
+
+    ``bounds`` and ``gap``: the second loop's start that an item holding both tiers
+    of its row pays, in units. Each row with pages on both sides of its boundary is
+    planned as ``gap`` units longer, the extra units at the boundary, so the item
+    across it holds that many fewer pages; the cuts are then mapped back (a cut
+    inside the extra units falls on the boundary). ``gap < min_pages``, so that
+    no item lies inside them; not with ``snap``.
     """
     S, H = pages.shape
     if num_items <= S * H:
         raise ValueError(f"{num_items} work items for {S * H} rows: need more items than rows")
+    if gap and (bounds is None or snap > 0):
+        raise ValueError("gap needs the rows' bounds and cannot be combined with snap")
+    if not 0 <= gap < min_pages:
+        # (an item is at least min_pages units long: none then lies inside a gap)
+        raise ValueError(f"gap must be in [0, min_pages = {min_pages}), got {gap}")
     flat = pages.reshape(-1).astype(jnp.int32)
+    real_end = None
+    if gap:
+        # Each row's extra units where it holds both tiers, after its first tier's.
+        b_all = bounds.reshape(-1).astype(jnp.int32)
+        gaps = jnp.where((b_all > 0) & (b_all < flat), jnp.int32(gap), 0)
+        flat = flat + gaps
+
+        def real_end(v, row):  # a planned cut in the row's units as the launch counts them
+            return jnp.where(v <= b_all[row], v, jnp.maximum(v - gaps[row], b_all[row]))
     total, rows = jnp.sum(flat), jnp.sum(flat > 0)
     # sum(ceil(n / C)) <= total / C + rows <= num_items by this choice of C.
     per_item = jnp.maximum(-(-total // jnp.maximum(num_items - rows, 1)), min_pages)
@@ -1126,6 +1147,8 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2,
 
         begin = jnp.where(moves, cut(k), begin)
         end = jnp.where(moves, cut(k + 1), end)
+    if real_end is not None:
+        begin, end = real_end(begin, row), real_end(end, row)
     items = jnp.stack([row // H, row % H, jnp.where(used, begin, 0), jnp.where(used, end, 0)],
                       axis=-1).astype(jnp.int32)
     ranges = jnp.stack([ends - count, count], axis=-1).astype(jnp.int32)

@@ -51,7 +51,9 @@ pipeline stages and warps, ``lg`` the bits of the stored logits
 (``LaunchConfig.logits_dtype``, 16 or 32), ``m`` the merge (as ``--merge``), ``el=1``
 the rows' token counts and first table entries loaded before the first loop
 (``LaunchConfig.early_row_loads``), ``sn`` the share of an item within which the
-plan moves a row's cut onto its tier boundary (``plan_work(snap=)``), ``vp=1``
+plan moves a row's cut onto its tier boundary (``plan_work(snap=)``), ``gp`` the
+units the item across a row's tier boundary holds fewer, for its second loop's
+start (``plan_work(gap=)``), ``vp=1``
 the value codes' slices left at their bit offsets
 (``LaunchConfig.values_in_place``), ``sp=1`` K4V2's pages walked a page per
 step, half a page per lane (``LaunchConfig.split_pages``), ``ms=1`` each lane's
@@ -102,7 +104,8 @@ def main() -> int:
                         "stages), nw=N (warps), lg=16|32 (logits' bits), "
                         "m=rows|segments|last (the merge), el=0|1 (the row's loads before "
                         "the first loop: LaunchConfig.early_row_loads), sn=P (cuts onto the "
-                        "tier boundary), vp=0|1, sp=0|1, ms=0|1 (values in place, split "
+                        "tier boundary), gp=N (units an item across the tier boundary holds "
+                        "fewer: plan_work(gap=)), vp=0|1, sp=0|1, ms=0|1 (values in place, split "
                         "pages, lanes' metadata once), pl=1|2|4 (page lanes), sx=1|2|4 (pages "
                         "per step of the tiers one lane walks: LaunchConfig.stack_pages)")
     p.add_argument("--no-kernel-time", action="store_true",
@@ -117,8 +120,9 @@ def main() -> int:
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import paged_attention as jax_pa
 
-    from diffkv_jax.diffkv_kernel_attention import (HI, LO, TIER_SNAP, _launch, min_item_units,
-                                                    plan_wave, tier_weights, work_items)
+    from diffkv_jax.diffkv_kernel_attention import (HI, LO, TIER_GAP, TIER_SNAP, _launch,
+                                                    min_item_units, plan_wave, tier_weights,
+                                                    work_items)
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import (ATTENTION_KERNELS, SHAPES, case_reference, chained_call,
@@ -175,6 +179,8 @@ def main() -> int:
                 out["early_row_loads"] = val == "1"
             elif k == "sn" and 0 <= float(val) < 0.5:
                 out["snap"] = float(val)
+            elif k == "gp" and val.isdigit():
+                out["gap"] = int(val)
             elif k == "vp" and val in ("0", "1"):
                 out["values_in_place"] = val == "1"
             elif k == "sp" and val in ("0", "1"):
@@ -195,7 +201,7 @@ def main() -> int:
                 out["stack_pages"] = int(val)
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
-                                 "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), "
+                                 "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), gp=N, "
                                  "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4, pr=8|16, kc=16n, pf=N, pn=N, "
                                  "sx=1|2|4)")
         return out
@@ -246,12 +252,13 @@ def main() -> int:
         wave = tune.get("wave", plan_wave())
 
         snap = tune.get("snap", TIER_SNAP) if n_tiers > 1 else 0.0
+        gap = tune.get("gap", TIER_GAP) if n_tiers > 1 and not snap else 0
 
         def plan(tiers):
             return pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items,
                                  min_pages=min_item_units(weights), wave=wave,
                                  bounds=pdk.tier_bounds(tiers, weights), snap=snap,
-                                 max_weight=max(weights))
+                                 max_weight=max(weights), gap=gap)
 
         merge_kind = tune.get("merge", args.merge)
         threaded = merge_kind == "last"

@@ -319,23 +319,25 @@ def parse_settings(text: str) -> list[dict]:
     caches'), ``tail`` (0: no split, :func:`tail_split`), ``low_weight`` (0: the
     caches' weights), ``order`` ("row": as planned, :func:`reorder_items`), ``snap``
     (percent of an item within which a row's cut moves onto its tier boundary,
-    ``plan_work(snap=)``; 0: off), ``grade`` (percent fewer units of the rows' odd
-    items, run after the even ones: :func:`grade_items`; 0: off)."""
+    ``plan_work(snap=)``; 0: off), ``gap`` (units the item across a row's tier
+    boundary holds fewer, ``plan_work(gap=)``; 0: the caches'), ``grade`` (percent
+    fewer units of the rows' odd items, run after the even ones:
+    :func:`grade_items`; 0: off)."""
     keys = {"m": "merge", "el": "early", "wave": "wave", "n": "items", "st": "stages",
             "nw": "warps", "tail": "tail", "tw": "low_weight", "ord": "order", "sn": "snap",
-            "yg": "grade"}
+            "gp": "gap", "yg": "grade"}
     words = {"m": ("rows", "last"), "el": ("0", "1"), "ord": ORDERS}
     out = []
     for part in text.split(";"):
         setting = {"merge": "rows", "early": 0, "wave": -1, "items": 0, "stages": 0,
                    "warps": 0, "tail": 0, "low_weight": 0, "order": "row", "snap": 0,
-                   "grade": 0}
+                   "gap": 0, "grade": 0}
         for item in filter(None, part.split(",")):
             k, _, val = item.partition("=")
             if k not in keys or (val not in words[k] if k in words else not val.isdigit()):
                 raise SystemExit(f"--settings: unknown setting {item!r} (m=rows|last, "
                                  "el=0|1, wave=N, n=N, st=N, nw=N, tail=P, tw=N, "
-                                 "ord=row|index|mixed, sn=P, yg=P)")
+                                 "ord=row|index|mixed, sn=P, gp=N, yg=P)")
             setting[keys[k]] = val if k in ("m", "ord") else int(val)
         if setting["tail"] and (setting["merge"] != "rows" or setting["tail"] >= 100):
             raise SystemExit(f"--settings: tail={setting['tail']} needs m=rows and a "
@@ -349,6 +351,8 @@ def parse_settings(text: str) -> list[dict]:
                              "ord=) and a percentage under 50")
         if setting["snap"] >= 50:
             raise SystemExit(f"--settings: sn={setting['snap']} must be a percentage under 50")
+        if setting["snap"] and setting["gap"]:
+            raise SystemExit("--settings: sn= and gp= cannot be combined")
         out.append(setting)
     return out
 
@@ -359,7 +363,7 @@ def label(setting: dict) -> str:
     wave = {-1: "", 0: ",wave=off"}.get(setting["wave"], f",wave={setting['wave']}")
     rest = "".join(f",{k}={setting[name]}" for k, name in
                    (("n", "items"), ("st", "stages"), ("nw", "warps"), ("tail", "tail"),
-                    ("tw", "low_weight"), ("sn", "snap"), ("yg", "grade"))
+                    ("tw", "low_weight"), ("sn", "snap"), ("gp", "gap"), ("yg", "grade"))
                    if setting[name])
     if setting["order"] != "row":
         rest += f",ord={setting['order']}"
@@ -452,7 +456,8 @@ def main() -> int:
                         "item's last P%% as a second item, m=rows), tw=N (low pages N units, "
                         "high 8), ord=row|index|mixed (the order the items run in, m=rows: "
                         "reorder_items), sn=P (a row's cut within P%% of an item of its tier "
-                        "boundary moves onto it), yg=P (the rows' odd items P%% lighter, run "
+                        "boundary moves onto it), gp=N (units the item across a row's tier "
+                        "boundary holds fewer), yg=P (the rows' odd items P%% lighter, run "
                         "after the even ones, m=rows: grade_items)")
     p.add_argument("--repeats", type=int, default=5, help="traced launches after a warm-up")
     p.add_argument("--json", default="results/program_timeline.json")
@@ -468,8 +473,8 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
 
-    from diffkv_jax.diffkv_kernel_attention import (HI, LO, _launch, min_item_units, plan_wave,
-                                                    tier_weights, work_items)
+    from diffkv_jax.diffkv_kernel_attention import (HI, LO, TIER_GAP, _launch, min_item_units,
+                                                    plan_wave, tier_weights, work_items)
     from pallas_kernels import backend
     from pallas_kernels import paged_decode as pdk
     from scripts.decode_cases import SHAPES, random_case
@@ -505,7 +510,9 @@ def main() -> int:
         work = pdk.plan_work(pdk.row_pages(tiers, weights=weights), n_items,
                              min_pages=min_item_units(weights), wave=wave, bounds=high,
                              snap=setting["snap"] / 100 if len(tiers) > 1 else 0.0,
-                             max_weight=max(weights))
+                             max_weight=max(weights),
+                             gap=(setting["gap"] or (0 if setting["snap"] else TIER_GAP))
+                             if len(tiers) > 1 else 0)
 
         def relisted(new, rows=work.num_rows):  # (items, seg) as numpy -> a work list
             return pdk.WorkList(jnp.asarray(new[0]), jnp.asarray(new[1]), rows)

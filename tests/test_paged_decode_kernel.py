@@ -75,7 +75,7 @@ def random_partials(tier_set, cfg, G=4, D=128, pad=8, seed=0):
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
                  seed=0, work_items=None, sub_slots=0, page_lanes=1, rows_in_kernel=False,
                  transposed=False, tier_weights=(), lane_slots=32, logits_dtype=None,
-                 min_pages=2, snap=0.0, **launch):
+                 min_pages=2, snap=0.0, gap=0, **launch):
     """``logits_dtype``: the stored logits' type (None: that of the dots, so the
     float32 checks compare float32 logits). ``work_items``: launch over
     :func:`pdk.plan_work` items (rows 1 and 4 inactive) instead of ``splits`` even
@@ -83,7 +83,8 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
     rows and the kernel pads them to ``pad`` itself (``padded_rows``).
     ``tier_weights``: work units per page of each tier, in the plan and the launch;
     ``min_pages``: the plan's least units per item; ``snap``: the plan's cuts moved
-    onto the rows' tier boundaries within that share of an item; ``launch``: more
+    onto the rows' tier boundaries within that share of an item; ``gap``: units the
+    item across a row's tier boundary holds fewer (``plan_work(gap=)``); ``launch``: more
     :class:`pdk.LaunchConfig` fields."""
     rng = np.random.default_rng(seed)
     S, H, P, NP = (3, 2, 24, 3) if work_items is None else (5, 2, 40, 5)
@@ -106,7 +107,7 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
         work = pdk.plan_work(pdk.row_pages(tiers, jnp.asarray(active), tier_weights),
                              work_items, min_pages=min_pages,
                              bounds=pdk.tier_bounds(tiers, tier_weights), snap=snap,
-                             max_weight=max(tier_weights, default=1))
+                             max_weight=max(tier_weights, default=1), gap=gap)
     o, m, l, logits = pdk.paged_decode_partials(qk, tiers, group=G, cfg=cfg, work=work,
                                                 interpret=interpret, padded_rows=padded_rows)
     assert o.shape[-2] == G and m.shape[-1] == G and l.shape[-1] == G
@@ -778,3 +779,71 @@ def test_compiled_token_tiles_match_reference_on_gpu(tier_set, D, G, lanes):
                  transposed=True)
     check_kernel(tier_set, D, G, 2, interpret=False, dot_dtype="float16", tol=3e-2, pad=8,
                  page_lanes=lanes, seed=90 + G + lanes, transposed=True)
+
+
+@pytest.mark.parametrize("work_items", [16, 40])
+def test_gap_plan_matches_reference(work_items):
+    # The item across a row's tier boundary holds fewer units (plan_work(gap=)): each
+    # page still belongs to one item of its row, and the launch reads what they name.
+    check_kernel("k8v4+k4v2 wide", 128, 4, 2, interpret=True, dot_dtype="float32", tol=1e-4,
+                 pad=8, page_lanes=2, work_items=work_items, seed=50 + work_items,
+                 rows_in_kernel=True, transposed=True, tier_weights=(8, 15),
+                 min_pages=16, gap=12)
+
+
+def test_gap_shortens_the_item_across_the_tier_boundary():
+    # The realistic mix's rows at 4K under 1 : 2: 45 high pages, then 29 low pages (58
+    # units), 103 units in four items. Counted one unit longer at the boundary, the
+    # second item (19 high pages and some low) holds a unit fewer, the others share it.
+    units, bound = jnp.asarray([[103, 103]]), jnp.asarray([[45, 45]])
+    cuts = lambda **kw: np.asarray(pdk.plan_work(units, 9, min_pages=2, wave=8, **kw)  # noqa: E731
+                                   .items)[:4, 2:]
+    assert cuts().tolist() == [[0, 26], [26, 52], [52, 78], [78, 103]]
+    assert cuts(bounds=bound, gap=1).tolist() == [[0, 26], [26, 51], [51, 77], [77, 103]]
+    # A row whose boundary is at its start or end holds one tier: no gap.
+    assert np.array_equal(cuts(bounds=jnp.asarray([[0, 103]]), gap=1), cuts())
+    assert np.array_equal(cuts(bounds=jnp.asarray([[103, 103]]), gap=1), cuts())
+    with pytest.raises(ValueError, match="min_pages"):
+        cuts(bounds=bound, gap=2)
+    with pytest.raises(ValueError, match="bounds"):
+        cuts(gap=1)
+    with pytest.raises(ValueError, match="snap"):
+        cuts(bounds=bound, gap=1, snap=0.2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gap_plan_covers_every_page_once(seed):
+    rng = np.random.default_rng(300 + seed)
+    S, H = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+    gap = [15, 1, 8][seed % 3]
+    hi, lo = rng.integers(0, 40, size=(2, S, H))
+    hi[rng.random((S, H)) < 0.2] = 0
+    lo[rng.random((S, H)) < 0.2] = 0
+    units, bounds = hi * 8 + lo * 15, hi * 8
+    N = S * H + int(rng.integers(1, 60))
+    wave = None if seed % 2 else N - 1
+    work = pdk.plan_work(jnp.asarray(units, jnp.int32), N, min_pages=16, wave=wave,
+                         bounds=jnp.asarray(bounds, jnp.int32), max_weight=15, gap=gap)
+    items, seg = np.asarray(work.items), np.asarray(work.seg)
+    # The plan's own count per item, on the rows counted gap units longer.
+    both = (bounds > 0) & (bounds < units)
+    longer = pdk.plan_work(jnp.asarray(units + gap * both, jnp.int32), N, min_pages=16,
+                           wave=wave)
+    assert np.array_equal(seg, np.asarray(longer.seg))
+    C = int((np.asarray(longer.items)[:, 3] - np.asarray(longer.items)[:, 2]).max())
+    across = 0
+    for r in range(S * H):
+        mine = items[seg == r]
+        b, u = int(bounds.reshape(-1)[r]), int(units.reshape(-1)[r])
+        covered = np.zeros(u, int)
+        for _, _, lo_, hi_ in mine:
+            assert lo_ < hi_
+            covered[lo_:hi_] += 1
+        assert np.all(covered == 1)
+        size = mine[:, 3] - mine[:, 2]
+        assert size.max(initial=0) <= C
+        for lo_, hi_ in mine[:, 2:]:
+            if lo_ < b < hi_:  # across the boundary: gap units fewer than planned
+                across += 1
+                assert hi_ - lo_ <= C - gap
+    assert across > 0 or not both.any()
