@@ -1105,15 +1105,12 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2,
         # (an item is at least min_pages units long: none then lies inside a gap)
         raise ValueError(f"gap must be in [0, min_pages = {min_pages}), got {gap}")
     flat = pages.reshape(-1).astype(jnp.int32)
-    real_end = None
+    gaps = None
     if gap:
         # Each row's extra units where it holds both tiers, after its first tier's.
         b_all = bounds.reshape(-1).astype(jnp.int32)
         gaps = jnp.where((b_all > 0) & (b_all < flat), jnp.int32(gap), 0)
         flat = flat + gaps
-
-        def real_end(v, row):  # a planned cut in the row's units as the launch counts them
-            return jnp.where(v <= b_all[row], v, jnp.maximum(v - gaps[row], b_all[row]))
     total, rows = jnp.sum(flat), jnp.sum(flat > 0)
     # sum(ceil(n / C)) <= total / C + rows <= num_items by this choice of C.
     per_item = jnp.maximum(-(-total // jnp.maximum(num_items - rows, 1)), min_pages)
@@ -1147,8 +1144,10 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2,
 
         begin = jnp.where(moves, cut(k), begin)
         end = jnp.where(moves, cut(k + 1), end)
-    if real_end is not None:
-        begin, end = real_end(begin, row), real_end(end, row)
+    if gaps is not None:  # the planned cuts in the row's units as the launch counts them
+        b_row, g_row = b_all[row], gaps[row]
+        begin, end = (jnp.where(v <= b_row, v, jnp.maximum(v - g_row, b_row))
+                      for v in (begin, end))
     items = jnp.stack([row // H, row % H, jnp.where(used, begin, 0), jnp.where(used, end, 0)],
                       axis=-1).astype(jnp.int32)
     ranges = jnp.stack([ends - count, count], axis=-1).astype(jnp.int32)

@@ -17,6 +17,7 @@
 #   bash scripts/h200_figures.sh balance      # the caches' launch traced: what sharing work out could win
 #   bash scripts/h200_figures.sh weights      # low pages weighed 15 / 8 of a high page (cuts on the tier boundary too), B = 32
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
+#   bash scripts/h200_figures.sh gap          # the item across a row's tier boundary holding fewer units, B = 32
 #   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
 #   bash scripts/h200_figures.sh codes-engine # the engine's GPU tests with values in place and the lanes' metadata once off
 #   bash scripts/h200_figures.sh registers    # two warps per program; ptxas register caps (XLA_FLAGS) for 12 / 14 programs per multiprocessor
@@ -133,6 +134,16 @@ case "${1:-}" in
       --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
       --tune "m=last;m=last,w=8-15;m=last,w=8-15,sn=0.3" \
       --json "$OUT/bench_attention_weights_b$B.json" ;;
+  gap)
+    # the second loop's start counted in the plan (plan_work(gap=)): the item across a
+    # row's tier boundary holds that many units fewer; under 8 : 15 (and 8 : 16, the
+    # caches' 1 : 2 in eighths), against the caches' plan; then traced
+    python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
+      --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
+      --tune "m=last;m=last,w=8-15;m=last,w=8-15,gp=12;m=last,w=8-16,gp=12;m=last,w=8-15,gp=15" \
+      --json "$OUT/bench_attention_gap_b32.json"
+    python scripts/program_timeline.py --repeats 3 --settings "m=last;m=last,tw=15,gp=12" \
+      --json "$OUT/timeline_gap_mix_32x4k.json" ;;
   codes)
     # the value codes' slices left at their bit offsets (vp), each lane's metadata
     # loaded once (ms) and K4V2's 64-slot pages walked a page per step, half a page per
@@ -197,6 +208,6 @@ EOF
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|balance|weights|weights-b128|codes|codes-engine|registers|smollm2|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|balance|weights|weights-b128|gap|codes|codes-engine|registers|smollm2|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac

@@ -398,6 +398,13 @@ def print_table(device: str, args: dict, nbytes: int, results: list) -> None:
                   f"{per_sm:>7s} {r['clock_ghz']:5.2f} {r.get('early_us', float('nan')):6.2f} "
                   f"{r.get('late_us', float('nan')):6.2f} {sm_end:>11s} "
                   f"{r['balanced_us']:8.2f} " + ("" if merge is None else f"{merge:6.2f}"))
+    if any("kinds" in res for res in results):
+        print("programs' times by what their items hold (" + " / ".join(KINDS)
+              + "; items, mean us):")
+        for res in results:
+            for times in (kind_times(res) if "kinds" in res else []):
+                print(f"{res['setting']:{width}s} "
+                      + "  ".join(f"{n:4d} {t:6.2f}" for n, t in times))
     print("multiprocessors' ends, agreement between launches (mean pairwise correlation):")
     for res in results:
         print(f"{res['setting']:{width}s} {res['sm_end_agreement']:5.2f}")
@@ -405,6 +412,34 @@ def print_table(device: str, args: dict, nbytes: int, results: list) -> None:
     for res in results:
         print(f"{res['setting']:{width}s} "
               + " ".join(str(n) for n in res["runs"][0]["running_per_us"]))
+
+
+#: What an item holds of its row's tiers (:func:`item_kinds`), by code.
+KINDS = ("high only", "both tiers", "low only")
+
+
+def item_kinds(items, high_units, H: int) -> list:
+    """Per work item ``(s, h, begin, end)``, what it holds of its row's two tiers
+    (``high_units [S * H]``: where each row's low pages start): 0 its high pages
+    only, 1 both tiers, 2 its low pages only; -1 for an unused item."""
+    items = np.asarray(items)
+    b = np.asarray(high_units).reshape(-1)[items[:, 0] * H + items[:, 1]]
+    begin, end = items[:, 2], items[:, 3]
+    kind = np.where(end <= b, 0, np.where(begin >= b, 2, 1))
+    return np.where(end > begin, kind, -1).tolist()
+
+
+def kind_times(result: dict) -> list:
+    """Per launch of a stored setting with :func:`item_kinds`, each kind's
+    ``(items, mean time from start to end in us)``."""
+    kinds = np.asarray(result["kinds"])
+    out = []
+    for r in result["runs"]:
+        d = np.asarray(r["end_us"]) - np.asarray(r["start_us"])
+        out.append([(int(np.sum(kinds == k)),
+                     float(np.mean(d[kinds == k])) if np.any(kinds == k) else float("nan"))
+                    for k in range(len(KINDS))])
+    return out
 
 
 def used_items(result: dict):
@@ -540,6 +575,7 @@ def main() -> int:
             runs.append(summary)
         results.append({"setting": label(setting), "wave": wave, "work_items": n_items,
                         "launch": dataclasses.asdict(cfg), "items": items.tolist(),
+                        **({"kinds": item_kinds(items, high, H)} if len(tiers) == 2 else {}),
                         "runs": runs, "sm_end_agreement": sm_end_agreement(runs, used)})
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:  # after every setting: a run cut short keeps them

@@ -20,8 +20,9 @@ import pytest
 
 from pallas_kernels import paged_decode as pdk
 from pallas_kernels.paged_decode import TRACE_COLUMNS
-from scripts.program_timeline import (grade_items, label, merge_excess, parse_settings,
-                                      reorder_items, summarize, tail_split)
+from scripts.program_timeline import (grade_items, item_kinds, kind_times, label,
+                                      merge_excess, parse_settings, reorder_items, summarize,
+                                      tail_split)
 
 from tests.test_early_row_loads import assert_equal_where_written, launch_case
 from tests.test_paged_decode_kernel import lowering_tiers
@@ -379,3 +380,15 @@ def test_stored_results_print_again_without_a_gpu(tmp_path, gz, with_items):
     # 4 used items either way: without the work items, the first 4 count, a unit each
     assert " 4 " in rows[0] and "15.0/ 20.0" in rows[0] and "13.33" in rows[0]
     assert rows[2].split()[1] == "nan"  # two multiprocessors: too few to correlate
+
+
+def test_items_by_what_they_hold_of_their_rows_tiers():
+    # Row (0, 0) has 45 high units, row (0, 1) 10: an item ending at the boundary holds
+    # high pages only, one starting there low pages only; an unused item is -1.
+    items = [[0, 0, 0, 26], [0, 0, 26, 52], [0, 0, 45, 78], [0, 1, 0, 10], [0, 1, 10, 30],
+             [0, 0, 0, 0]]
+    kinds = item_kinds(items, np.array([[45, 10]]), 2)
+    assert kinds == [0, 1, 2, 0, 2, -1]
+    runs = [{"start_us": [0, 0, 1, 0, 0, 0], "end_us": [40, 42, 37, 20, 35, 0]}]
+    times = kind_times({"kinds": kinds, "runs": runs})
+    assert times == [[(2, 30.0), (1, 42.0), (2, 35.5)]]
