@@ -469,7 +469,31 @@ def load_stored(path: str) -> dict:
             if "balanced_us" not in r:
                 r.update(sm_balance(r["start_us"], r["end_us"], r["sm"], units, used))
         res["sm_end_agreement"] = sm_end_agreement(res["runs"], used)
+    stored_kinds(data)
     return data
+
+
+def stored_kinds(data: dict) -> None:
+    """:func:`item_kinds` for a stored file's settings that hold their work items but
+    not their kinds (files from before kinds were recorded), from the case rebuilt
+    on this machine: the same random pages as on the GPU, whose token counts set
+    the rows' tier boundaries."""
+    a = data["args"]
+    todo = [res for res in data["results"]
+            if "kinds" not in res and "items" in res and "launch" in res]
+    if a["variant"] not in ("diffkv-50/50", "diffkv-mix") or not todo:
+        return
+    import jax
+
+    from pallas_kernels import paged_decode as pdk
+    from scripts.decode_cases import SHAPES, random_case
+
+    _, H, D = SHAPES[a["model"]]
+    tiers, _ = random_case(jax.random.fold_in(jax.random.PRNGKey(0), 1), a["variant"],
+                           a["batch"], H, D, a["context"])
+    for res in todo:
+        weights = tuple(res["launch"].get("tier_weights") or ())
+        res["kinds"] = item_kinds(res["items"], np.asarray(pdk.tier_bounds(tiers, weights)), H)
 
 
 def main() -> int:

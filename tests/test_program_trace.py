@@ -392,3 +392,26 @@ def test_items_by_what_they_hold_of_their_rows_tiers():
     runs = [{"start_us": [0, 0, 1, 0, 0, 0], "end_us": [40, 42, 37, 20, 35, 0]}]
     times = kind_times({"kinds": kinds, "runs": runs})
     assert times == [[(2, 30.0), (1, 42.0), (2, 35.5)]]
+
+
+def test_stored_files_get_their_items_kinds_from_the_rebuilt_case(tmp_path):
+    # A file from before kinds were recorded: the case is rebuilt from its arguments.
+    # Llama3-8B heads at 512 tokens of the realistic mix: 179 high tokens (6 pages of
+    # 32, 6 units) and 230 low (4 pages of 64, 8 units under 1 : 2) in every row.
+    import json
+
+    from scripts.program_timeline import load_stored
+
+    items = [[0, 0, 0, 6], [0, 0, 6, 14], [0, 1, 0, 10], [0, 1, 10, 14], [0, 0, 0, 0]]
+    runs = [{"start_us": [0.0] * 5, "end_us": [10.0, 12.0, 16.0, 6.0, 0.0],
+             "sm": [0, 1, 0, 1, 0], "balanced_us": 1.0, "sm_end_us": {}}]
+    data = {"device": "NVIDIA H200", "bytes": 1, "args": {
+        "model": "llama3-8b", "batch": 2, "context": 512, "variant": "diffkv-mix",
+        "tiles": "tokens"}, "results": [
+        {"setting": "m=last,el=0", "items": items, "runs": runs,
+         "launch": {"tier_weights": [1, 2]}}]}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    res = load_stored(str(path))["results"][0]
+    assert res["kinds"] == [0, 2, 1, 2, -1]
+    assert kind_times(res) == [[(1, 10.0), (1, 16.0), (2, 9.0)]]
