@@ -1101,7 +1101,7 @@ def plan_work(pages, num_items: int, *, min_pages: int = 2,
         raise ValueError(f"{num_items} work items for {S * H} rows: need more items than rows")
     if gap and (bounds is None or snap > 0):
         raise ValueError("gap needs the rows' bounds and cannot be combined with snap")
-    if not 0 <= gap < min_pages:
+    if gap < 0 or (gap and gap >= min_pages):
         # (an item is at least min_pages units long: none then lies inside a gap)
         raise ValueError(f"gap must be in [0, min_pages = {min_pages}), got {gap}")
     flat = pages.reshape(-1).astype(jnp.int32)
