@@ -475,15 +475,22 @@ def test_snap_moves_the_cut_nearest_the_tier_boundary():
     assert np.array_equal(edge, cuts())
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_snapped_plan_covers_every_page_once(seed):
-    rng = np.random.default_rng(200 + seed)
+def _two_tier_rows(rng, empty_low: bool = False):
+    """``(S, H, units, bounds, N)``: random rows of up to 40 high and 40 low pages under
+    weights 8 : 15 (a fifth with no high pages, and with ``empty_low`` a fifth with
+    no low pages), each row's high units as its bound, and a work-item count."""
     S, H = int(rng.integers(1, 9)), int(rng.integers(1, 5))
-    snap = [0.45, 0.1, 0.25][seed % 3]
     hi, lo = rng.integers(0, 40, size=(2, S, H))
     hi[rng.random((S, H)) < 0.2] = 0
-    units, bounds = hi * 8 + lo * 15, hi * 8
-    N = S * H + int(rng.integers(1, 60))
+    if empty_low:
+        lo[rng.random((S, H)) < 0.2] = 0
+    return S, H, hi * 8 + lo * 15, hi * 8, S * H + int(rng.integers(1, 60))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_snapped_plan_covers_every_page_once(seed):
+    snap = [0.45, 0.1, 0.25][seed % 3]
+    S, H, units, bounds, N = _two_tier_rows(np.random.default_rng(200 + seed))
     wave = None if seed % 2 else N - 1
     plain = pdk.plan_work(jnp.asarray(units, jnp.int32), N, min_pages=16, wave=wave)
     work = pdk.plan_work(jnp.asarray(units, jnp.int32), N, min_pages=16, wave=wave,
@@ -813,14 +820,8 @@ def test_gap_shortens_the_item_across_the_tier_boundary():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_gap_plan_covers_every_page_once(seed):
-    rng = np.random.default_rng(300 + seed)
-    S, H = int(rng.integers(1, 9)), int(rng.integers(1, 5))
     gap = [15, 1, 8][seed % 3]
-    hi, lo = rng.integers(0, 40, size=(2, S, H))
-    hi[rng.random((S, H)) < 0.2] = 0
-    lo[rng.random((S, H)) < 0.2] = 0
-    units, bounds = hi * 8 + lo * 15, hi * 8
-    N = S * H + int(rng.integers(1, 60))
+    S, H, units, bounds, N = _two_tier_rows(np.random.default_rng(300 + seed), empty_low=True)
     wave = None if seed % 2 else N - 1
     work = pdk.plan_work(jnp.asarray(units, jnp.int32), N, min_pages=16, wave=wave,
                          bounds=jnp.asarray(bounds, jnp.int32), max_weight=15, gap=gap)
