@@ -538,9 +538,6 @@ def main() -> int:
     from pallas_kernels import paged_decode as pdk
     from scripts.decode_cases import SHAPES, random_case
 
-    if not backend.on_gpu():
-        print("program_timeline.py reads the GPU's clocks: it needs a GPU", file=sys.stderr)
-        return 2
     nq, H, D = SHAPES[args.model]
     G, S = nq // H, args.batch
     mix = "bf16" if args.variant == "ours-bf16" else args.variant
@@ -550,8 +547,9 @@ def main() -> int:
     transposed = args.tiles == "tokens" and mix != "bf16"
     base_weights = tier_weights((HI, LO)[:len(tiers)])
     device = jax.devices()[0].device_kind
-    results = []
-    for setting in settings:
+
+    def plan(setting):
+        """(weights, cfg, wave, n_items, high, work) of one setting."""
         weights = base_weights
         if setting["low_weight"]:  # the high tier's pages count 8
             if len(weights) != 2:
@@ -583,6 +581,21 @@ def main() -> int:
                                           setting["order"], high.reshape(-1)))
         if setting["grade"]:
             work = relisted(grade_items(work.items, work.seg, work.num_rows, setting["grade"]))
+        return weights, cfg, wave, n_items, high, work
+
+    # every setting planned before the first launch: one the planner refuses stops the
+    # run before any GPU time is spent on the others
+    plans = []
+    for setting in settings:
+        try:
+            plans.append(plan(setting))
+        except ValueError as err:
+            raise SystemExit(f"--settings {label(setting)}: {err}") from None
+    if not backend.on_gpu():
+        print("program_timeline.py reads the GPU's clocks: it needs a GPU", file=sys.stderr)
+        return 2
+    results = []
+    for setting, (weights, cfg, wave, n_items, high, work) in zip(settings, plans):
         merged = setting["merge"] == "last"
         traced = jax.jit(lambda q, tiers, work, cfg=cfg, merged=merged: pdk.program_trace(
             q, tiers, work=work, group=G, cfg=cfg, padded_rows=pdk.tile_rows(G, transposed),

@@ -275,6 +275,21 @@ def test_timeline_script_says_it_needs_a_gpu():
     assert proc.returncode == 2 and "needs a GPU" in proc.stderr
 
 
+def test_timeline_script_refuses_a_setting_the_planner_refuses_before_any_launch():
+    import os
+    import subprocess
+    import sys
+
+    # a gap of 12 units needs items of more than 12 units: the 1 : 2 weights' are 2
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "program_timeline.py"),
+                           "--batch", "2", "--context", "1024", "--settings", "m=last;m=last,gp=12"],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 1
+    assert "--settings m=last,el=0,gp=12: gap must be in [0, min_pages = 2)" in proc.stderr
+    assert "needs a GPU" not in proc.stderr
+
+
 def test_grade_items_lightens_the_odd_items_and_runs_them_last():
     # two rows of 100 and 50 units in 3 / 2 items; an unused item last
     items = np.array([[0, 0, 0, 34], [0, 0, 34, 68], [0, 0, 68, 100],
