@@ -106,7 +106,9 @@ TIER_WEIGHTS = {HI: 1, LO: 2}
 TIER_SNAP = 0.0
 #: Work units the plan counts for the second loop's start of an item that holds
 #: both tiers of its row (``pdk.plan_work(gap=)``; 0: off): that item then holds
-#: fewer pages. Below :func:`min_item_units` of the weights.
+#: fewer pages. Below :func:`min_item_units` of the weights. Off: with 8 : 15
+#: weights it gains the realistic mix about a point and costs the 50/50 mix as
+#: much (docs/benchmarks.md 3.0.0v).
 TIER_GAP = 0
 
 
