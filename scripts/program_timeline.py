@@ -549,7 +549,7 @@ def main() -> int:
     device = jax.devices()[0].device_kind
 
     def plan(setting):
-        """(weights, cfg, wave, n_items, high, work) of one setting."""
+        """(cfg, wave, n_items, high, work) of one setting."""
         weights = base_weights
         if setting["low_weight"]:  # the high tier's pages count 8
             if len(weights) != 2:
@@ -581,7 +581,7 @@ def main() -> int:
                                           setting["order"], high.reshape(-1)))
         if setting["grade"]:
             work = relisted(grade_items(work.items, work.seg, work.num_rows, setting["grade"]))
-        return weights, cfg, wave, n_items, high, work
+        return cfg, wave, n_items, high, work
 
     # every setting planned before the first launch: one the planner refuses stops the
     # run before any GPU time is spent on the others
@@ -595,7 +595,7 @@ def main() -> int:
         print("program_timeline.py reads the GPU's clocks: it needs a GPU", file=sys.stderr)
         return 2
     results = []
-    for setting, (weights, cfg, wave, n_items, high, work) in zip(settings, plans):
+    for setting, (cfg, wave, n_items, high, work) in zip(settings, plans):
         merged = setting["merge"] == "last"
         traced = jax.jit(lambda q, tiers, work, cfg=cfg, merged=merged: pdk.program_trace(
             q, tiers, work=work, group=G, cfg=cfg, padded_rows=pdk.tile_rows(G, transposed),

@@ -263,28 +263,27 @@ def test_tail_split_runs_every_items_last_part_after_all_first_parts():
         assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off the GPU")
-def test_timeline_script_says_it_needs_a_gpu():
+def _run_timeline_script(*args: str):
+    """``scripts/program_timeline.py`` with ``args`` in a process of its own."""
     import os
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "program_timeline.py")],
-                          capture_output=True, text=True, timeout=600, cwd=root)
+    return subprocess.run([sys.executable, os.path.join(root, "scripts", "program_timeline.py"),
+                           *args], capture_output=True, text=True, timeout=600, cwd=root)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal off the GPU")
+def test_timeline_script_says_it_needs_a_gpu():
+    proc = _run_timeline_script()
     assert proc.returncode == 2 and "needs a GPU" in proc.stderr
 
 
 def test_timeline_script_refuses_a_setting_the_planner_refuses_before_any_launch():
-    import os
-    import subprocess
-    import sys
-
     # a gap of 12 units needs items of more than 12 units: the 1 : 2 weights' are 2
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(root, "scripts", "program_timeline.py"),
-                           "--batch", "2", "--context", "1024", "--settings", "m=last;m=last,gp=12"],
-                          capture_output=True, text=True, timeout=600, cwd=root)
+    proc = _run_timeline_script("--batch", "2", "--context", "1024",
+                                "--settings", "m=last;m=last,gp=12")
     assert proc.returncode == 1
     assert "--settings m=last,el=0,gp=12: gap must be in [0, min_pages = 2)" in proc.stderr
     assert "needs a GPU" not in proc.stderr
