@@ -240,6 +240,18 @@ class LaunchConfig:
     # is then paid once per this many pages. The results are the same up to
     # rounding; two pages per step are slower (docs/benchmarks.md 3.0.0s): off.
     stack_pages: int = 1
+    # Work shared out while the launch runs (0: off). A row's items (its programs)
+    # each walk a fixed share of the row's units, then take chunks of this many
+    # units of the row's rest, one atomic add on the row's cursor per chunk, until
+    # none is left: a program on a busier multiprocessor takes fewer chunks. The
+    # planned items' own ranges then only count the row's programs (the work list
+    # needs ``ranges``). A program's chunks continue its online softmax, so the
+    # partials keep their shape; a program left without work stores an empty one.
+    row_chunk: int = 0
+    # With row_chunk: the percent of each row's units handed out by its cursor; the
+    # rest is split evenly over the row's items before the launch (100: all of it
+    # by the cursor).
+    row_share: int = 25
 
     def __post_init__(self):
         if self.dot_dtype not in ("float16", "float32"):
@@ -268,6 +280,14 @@ class LaunchConfig:
             raise ValueError("stack_pages and the L2 prefetches cannot be combined")
         if self.key_chunk < 0 or (self.key_chunk and self.key_chunk % 16):
             raise ValueError(f"key_chunk must be 0 or a multiple of 16, got {self.key_chunk}")
+        if self.row_chunk < 0 or not 0 <= self.row_share <= 100:
+            raise ValueError(f"row_chunk must be >= 0 and row_share in [0, 100], got "
+                             f"{self.row_chunk}, {self.row_share}")
+        if self.row_chunk and (self.early_row_loads or self.l2_prefetch
+                               or self.l2_prefetch_next or self.stack_pages > 1):
+            raise ValueError("row_chunk cannot be combined with early_row_loads, the L2 "
+                             "prefetches or stack_pages (they are planned from the item's "
+                             "own range)")
 
     def weight(self, tier: int) -> int:
         """Work units per page of tier ``tier`` (:attr:`tier_weights`)."""
@@ -313,13 +333,19 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
     items_ref, q_ref, tier_refs = refs[0], refs[1], refs[2:2 + 6 * n_t]
     refs = refs[2 + 6 * n_t:]
     # merge_items > 0 (paged_decode_merged): the rows' item ranges and merge counters
-    # come in, the merged rows go out too (and the counters, aliased).
-    merge_refs = (refs[:2] + refs[5:9]) if merge_items else None
-    o_ref, m_ref, l_ref = refs[2:5] if merge_items else refs[:3]
-    s_refs = refs[9:] if merge_items else refs[3:]
-    trace_ref = None
+    # come in, the merged rows go out too (and the counters, aliased). cfg.row_chunk:
+    # the ranges and the rows' cursors come in, the cursors go out (aliased).
+    n_merge = 2 if merge_items else 0
+    merge_in, refs = refs[:n_merge], refs[n_merge:]
+    cursor_in, refs = (refs[:2], refs[2:]) if cfg.row_chunk else ((), refs)
+    (o_ref, m_ref, l_ref), refs = refs[:3], refs[3:]
+    merge_out, s_refs = (refs[:4], refs[4:]) if merge_items else ((), refs)
+    merge_refs = tuple(merge_in) + tuple(merge_out) if merge_items else None
+    trace_ref = cursor_ref = None
     if cfg.trace_programs:
         s_refs, trace_ref = s_refs[:-1], s_refs[-1]
+    if cfg.row_chunk:
+        s_refs, cursor_ref = s_refs[:-1], s_refs[-1]
     Gp, D = m_ref.shape[-1], q_ref.shape[-1]
     # The output is kept in one accumulator per slice of the most packed value codes.
     parts = max(8 // f.v_bits if f.quantized else 1 for f in tiers)
@@ -445,12 +471,14 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         first unit), unclipped."""
         return -((offset - unit) // cfg.weight(t))
 
-    def tier_range(t, fmt: TierFormat, n_tok, offset):
+    def tier_range(t, fmt: TierFormat, n_tok, offset, span=None):
         """The item's first and last (exclusive) page of the tier, and the next
-        tier's offset: the units [begin, end) shifted past the earlier tiers."""
+        tier's offset: the units [begin, end) (or ``span``) shifted past the earlier
+        tiers."""
+        lo, hi = (begin, end) if span is None else span
         row_pages = (n_tok + fmt.slots - 1) // fmt.slots
-        first = jnp.clip(page_at(begin, t, offset), 0, row_pages)
-        last = jnp.clip(page_at(end, t, offset), 0, row_pages)
+        first = jnp.clip(page_at(lo, t, offset), 0, row_pages)
+        last = jnp.clip(page_at(hi, t, offset), 0, row_pages)
         return first, last, offset + row_pages * cfg.weight(t)
 
     def split_page(fmt: TierFormat) -> bool:
@@ -525,12 +553,13 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 backend.prefetch_l2(ref, page, elements, when)
 
     def tier_loop(t, fmt: TierFormat, refs_t, s_ref, carry, offset, early=None,
-                  at_loop=None, nxt=None):
+                  at_loop=None, nxt=None, span=None):
         """``nxt``: with cfg.l2_prefetch or cfg.l2_prefetch_next, the next tier's
-        ``(fmt, refs, first, last)`` (None for the last tier)."""
+        ``(fmt, refs, first, last)`` (None for the last tier). ``span``: the units
+        walked, if not the item's."""
         k_ref, v_ref, km_ref, vm_ref, pages_ref, ntok_ref = refs_t
         n_tok = ntok_ref[s_i, h_i] if early is None else early[0]
-        first, last, next_offset = tier_range(t, fmt, n_tok, offset)
+        first, last, next_offset = tier_range(t, fmt, n_tok, offset, span)
 
         def lookup(index):
             """The page IDs the walk's page ``index`` may be: this tier's, and past its
@@ -848,11 +877,46 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 for a, e0, e1 in zip(accs, exps_from, exps_to)]
         return accs, m, l, jnp.zeros_like(r), z
 
+    def walk_tiers(carry, traced=False):
+        """Every tier's loop over the item's units, in order; ``(carry, exponents)``."""
+        exps, offset = value_exponents(tiers[0]), jnp.int32(0)
+        for t, fmt in enumerate(tiers):
+            tier_exps = value_exponents(fmt)
+            if tier_exps != exps:
+                carry, exps = rebase(carry, exps, tier_exps), tier_exps
+            at_loop = None
+            if traced and t == 0:
+                at_loop = lambda value: stamp(value, "loop_ns", "loop_cycles")  # noqa: E731
+            carry, offset = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
+                                      s_refs[t] if s_refs else None, carry, offset,
+                                      early[t], at_loop, next_tier[t])
+        return carry, exps
+
+    def tier_walks():
+        """Per tier, ``(walk, end)``: ``walk(span, carry)`` its loop over the units
+        ``span`` (clipped to the tier) and ``end`` the unit where the tier's pages end;
+        then the row's units."""
+        walks, offset = [], jnp.int32(0)
+        for t, fmt in enumerate(tiers):
+            n_tok = tier_refs[6 * t + 5][s_i, h_i]
+            start = offset
+            offset = offset + (n_tok + fmt.slots - 1) // fmt.slots * cfg.weight(t)
+
+            def walk(span, carry, t=t, fmt=fmt, start=start):
+                return tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
+                                 s_refs[t] if s_refs else None, carry, start, span=span)[0]
+            walks.append((walk, offset))
+        return walks, offset
+
+    def between_tiers(t, carry):
+        """The carry from tier ``t``'s value exponents to tier ``t + 1``'s."""
+        a, b = value_exponents(tiers[t]), value_exponents(tiers[t + 1])
+        return rebase(carry, a, b) if a != b else carry
+
     acc_shape, r_shape = ((w, Gp), (RW, Gp)) if tr else ((Gp, w), (Gp, RW))
     carry = ([jnp.zeros(acc_shape, jnp.float32)] * parts,
              jnp.full((Gp,), NEG_INF, jnp.float32), jnp.zeros((Gp,), jnp.float32),
              jnp.zeros(r_shape, jnp.float32), jnp.zeros((Gp,), jnp.float32))
-    offset = jnp.int32(0)
     early = early_loads() if cfg.early_row_loads else [None] * len(tiers)
     next_tier = [None] * len(tiers)  # per tier, the next tier's pages of the item
     if cfg.l2_prefetch or cfg.l2_prefetch_next:
@@ -863,16 +927,17 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             if t:
                 next_tier[t - 1] = (fmt, tier_refs[6 * t:6 * t + 6], first_t, last_t)
     exps = value_exponents(tiers[0])
-    for t, fmt in enumerate(tiers):
-        tier_exps = value_exponents(fmt)
-        if tier_exps != exps:
-            carry, exps = rebase(carry, exps, tier_exps), tier_exps
-        at_loop = None
-        if trace_ref is not None and t == 0:
-            at_loop = lambda value: stamp(value, "loop_ns", "loop_cycles")  # noqa: E731
-        carry, offset = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
-                                  s_refs[t] if s_refs else None, carry, offset, early[t],
-                                  at_loop, next_tier[t])
+    if cfg.row_chunk:
+        walks, units = tier_walks()
+        carry = _walk_row_chunks(
+            walks, between_tiers, carry, cursor_in[0], cursor_ref, item=item,
+            row=s_i * tier_refs[5].shape[1] + h_i, used=begin < end, units=units,
+            chunk=cfg.row_chunk, share=cfg.row_share, interpret=interpret,
+            on_start=None if trace_ref is None else (
+                lambda value: stamp(value, "loop_ns", "loop_cycles")))
+        exps = value_exponents(tiers[-1])
+    else:
+        carry, exps = walk_tiers(carry, trace_ref is not None)
     accs, m, l, r, z = carry
     if trace_ref is not None:  # after the last tier's loop
         stamp(jnp.max(l), "loop_end_ns", "loop_end_cycles")
@@ -917,6 +982,70 @@ def _stamp(trace_ref, item, dep, columns):
     for name in columns:
         which = "sm" if name == "sm" else name.rsplit("_", 1)[1]
         trace_ref[item, pl.ds(TRACE_COLUMNS.index(name), 1)] = backend.read_clock(dep, which)
+
+
+def _walk_row_chunks(walks, between, carry, ranges_ref, cursor_ref, *, item, row, used,
+                     units, chunk: int, share: int, interpret: bool, on_start=None):
+    """The units of row ``row`` (``s * H + h``) that item ``item`` walks when the launch
+    shares its rows out as it runs (:attr:`LaunchConfig.row_chunk`): the item's fixed
+    share of the row, then chunks of ``chunk`` units taken from the row's cursor until
+    the row has none left; the carry after the last.
+
+    The row's ``n`` items (``ranges_ref``) each take a fixed ``k``-th of the row's first
+    ``100 - share`` percent of its ``units``; the rest, from ``n`` times that share on,
+    is handed out by an atomic add on the row's cursor (``cursor_ref [S * H]``, zero
+    at the launch's start). Every item ends on a take past the row's units; the
+    row's last such take (the ``n``-th) sets the cursor to zero again. Items not
+    ``used`` walk and take nothing.
+
+    ``walks``: per tier ``(walk, end)`` (``walk(span, carry)`` the tier's loop over
+    the units ``span``, ``end`` where its units end); a loop per tier takes the
+    chunks that start in it (a chunk across a tier's end continues in the next
+    tier's loop), so a program's tiers come in order: ``between(t, carry)`` once
+    after tier ``t``.
+    """
+    first_item, n = ranges_ref[row, 0], ranges_ref[row, 1]
+    k = item - first_item
+    fixed = units * (100 - share) // (100 * jnp.maximum(n, 1))
+    pool = n * fixed
+    taken = -(-(units - pool) // chunk)  # the takes that find units
+    lo = jnp.where(used, k * fixed, units)
+    if on_start is not None:
+        on_start(lo)
+
+    def take():
+        """The next chunk's first unit (past the row's units when none is left)."""
+        if interpret:  # programs run one after another
+            got = cursor_ref[row]
+            cursor_ref[row] = got + chunk
+        else:
+            from jax.experimental.pallas import triton as plgpu
+
+            got = plgpu.atomic_add(cursor_ref, row, jnp.full((), chunk, jnp.int32))
+
+        @pl.when(got == (taken + n - 1) * chunk)
+        def _reset():  # the row's last take: every other item has taken its last
+            cursor_ref[row] = jnp.int32(0)
+        return pool + got
+
+    state = (lo, jnp.where(used, (k + 1) * fixed, units), carry)
+    for t, (walk, bound) in enumerate(walks):
+        def cond(st, bound=bound):
+            lo, _, crosses, _ = st
+            return (lo < bound) & ~crosses
+
+        def body(st, walk=walk, bound=bound):
+            lo, hi, _, carry = st
+            carry = walk((lo, hi), carry)
+            crosses = hi > bound  # the chunk goes on in the next tier's loop
+            nxt = lax.cond(crosses, lambda: lo, take)
+            return nxt, jnp.where(crosses, hi, jnp.minimum(nxt + chunk, units)), crosses, carry
+
+        lo, hi, _, carry = lax.while_loop(cond, body, (*state[:2], jnp.bool_(False), state[2]))
+        if t + 1 < len(walks):
+            carry = between(t, carry)
+        state = (lo, hi, carry)
+    return state[2]
 
 
 def _store_and_merge(merge_refs, partial_refs, outs, m, l, item, row_item, *, group: int,
@@ -1302,8 +1431,15 @@ def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
     for t in tiers:
         meta = list(t.meta) if t.fmt.quantized else [dummy] * 2
         args += [t.keys, t.values, *meta, t.pages.astype(jnp.int32), t.n_tok.astype(jnp.int32)]
+    aliases = {}
     if merge is not None:
         args += [work.ranges.astype(jnp.int32), merge[0]]
+        aliases[len(args) - 1] = 6
+    if cfg.row_chunk:  # the rows' cursors, zero, and their items' ranges
+        if work.ranges is None:
+            raise ValueError("LaunchConfig.row_chunk needs the work list's ranges "
+                             "(plan_work's)")
+        args += [work.ranges.astype(jnp.int32), jnp.zeros((S * H,), jnp.int32)]
     in_specs = [whole(a) for a in args]
     # Interpret mode stores every row and slices outside (its masked stores need
     # slices only); on the GPU padded rows are masked off in the kernel.
@@ -1326,6 +1462,10 @@ def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
             shape = (S, H, rows, t.pages.shape[-1] * t.fmt.slots)
             out_shape.append(jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.logits_dtype)))
             out_specs.append(pl.BlockSpec(shape, lambda w: (0, 0, 0, 0)))
+    if cfg.row_chunk:  # updated in place: every row's ends at zero again
+        aliases[len(args) - 1] = len(out_shape)
+        out_shape.append(jax.ShapeDtypeStruct((S * H,), jnp.int32))
+        out_specs.append(whole(out_shape[-1]))
     if cfg.trace_programs:
         if interpret:
             raise ValueError("trace_programs reads the GPU's clocks: it needs a compiled "
@@ -1341,7 +1481,7 @@ def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
         kernel, grid=(N,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=interpret,
         # The counters are updated in place: every row's ends at zero again.
-        input_output_aliases={} if merge is None else {len(args) - 1: 6},
+        input_output_aliases=aliases,
         compiler_params=None if interpret else backend.compiler_params(cfg.num_warps,
                                                                        cfg.num_stages),
         name=name,

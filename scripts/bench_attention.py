@@ -107,7 +107,10 @@ def main() -> int:
                         "tier boundary), gp=N (units an item across the tier boundary holds "
                         "fewer: plan_work(gap=)), vp=0|1, sp=0|1, ms=0|1 (values in place, split "
                         "pages, lanes' metadata once), pl=1|2|4 (page lanes), sx=1|2|4 (pages "
-                        "per step of the tiers one lane walks: LaunchConfig.stack_pages)")
+                        "per step of the tiers one lane walks: LaunchConfig.stack_pages), "
+                        "rc=N (units per chunk a row's cursor hands out as the launch runs: "
+                        "LaunchConfig.row_chunk; 0: off), rs=P (the percent of a row "
+                        "its cursor hands out: LaunchConfig.row_share)")
     p.add_argument("--no-kernel-time", action="store_true",
                    help="with --chain, skip the profiler trace that times the attention "
                         "kernels alone")
@@ -199,11 +202,15 @@ def main() -> int:
                 out["l2_prefetch_next"] = int(val)
             elif k == "sx" and val in ("1", "2", "4"):
                 out["stack_pages"] = int(val)
+            elif k == "rc" and val.isdigit():
+                out["row_chunk"] = int(val)
+            elif k == "rs" and val.isdigit() and int(val) <= 100:
+                out["row_share"] = int(val)
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
                                  "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), gp=N, "
                                  "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4, pr=8|16, kc=16n, pf=N, pn=N, "
-                                 "sx=1|2|4)")
+                                 "sx=1|2|4, rc=N, rs=P)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -245,7 +252,8 @@ def main() -> int:
                                                                 "page_lanes", "key_chunk",
                                                                 "l2_prefetch",
                                                                 "l2_prefetch_next",
-                                                                "stack_pages")
+                                                                "stack_pages", "row_chunk",
+                                                                "row_share")
                                           if k in tune})
         tile_rows = tune.get("padded_rows") or pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)

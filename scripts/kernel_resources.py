@@ -181,6 +181,9 @@ def main() -> int:
     p.add_argument("--stack", default="1",
                    help="LaunchConfig.stack_pages values (pages per step of the tiers "
                         "walked a whole page per step by one lane; labelled X<n>)")
+    p.add_argument("--row-chunk", type=int, default=0,
+                   help="LaunchConfig.row_chunk (units a row's cursor hands out per take; "
+                        "0: off)")
     p.add_argument("--rows", type=int, default=0,
                    help="query rows of the kernel's tiles (0: tile_rows, 8 with --transposed "
                         "1 for groups up to 8, else 16); 16 with --transposed 1 gives a "
@@ -244,7 +247,7 @@ def main() -> int:
                                split_pages=split, values_in_place=vip,
                                lane_meta_select=msel, key_chunk=kchunk, l2_prefetch=ahead,
                                l2_prefetch_next=0 if ahead else args.prefetch_next,
-                               stack_pages=stack)
+                               stack_pages=stack, row_chunk=args.row_chunk)
         rows = args.rows or pdk.tile_rows(G, trans)
         n_lanes = cfg.lanes(rows, G)
         # stacked pages: the quantized tiers walked a whole page per step by one lane
@@ -259,14 +262,15 @@ def main() -> int:
         # (--padded-q: q padded in memory, as before padded_rows).
         q = jnp.zeros((1, 1, rows if args.padded_q else G, D), jnp.bfloat16)
         padded_rows = None if args.padded_q else rows
+        work = pdk.plan_work(jnp.ones((1, 1), jnp.int32), 4)
         if merged:
-            work = pdk.plan_work(jnp.ones((1, 1), jnp.int32), 4)
             fn = jax.jit(lambda q: pdk.paged_decode_merged(
                 q, tiers, work=work, group=G, cfg=cfg, interpret=False,
                 padded_rows=padded_rows))
-        else:
+        else:  # a work list where the rows' cursors need its ranges
             fn = jax.jit(lambda q: pdk.paged_decode_partials(
-                q, tiers, group=G, cfg=cfg, interpret=False, padded_rows=padded_rows))
+                q, tiers, group=G, cfg=cfg, interpret=False, padded_rows=padded_rows,
+                work=work if args.row_chunk else None))
         name = (f"{spec.replace('+', '_')}_w{warps}_st{stages}" + (f"_sub{sub}" if sub else "")
                 + (f"_lanes{n_lanes}" if n_lanes > 1 else "") + ("_tr" if trans else "")
                 + ("_merged" if merged else "") + ("_early" if early else "")
@@ -274,7 +278,8 @@ def main() -> int:
                 + ("_msel" if msel else "") + (f"_kc{kchunk}" if kchunk else "")
                 + (f"_pf{ahead}" if ahead else "")
                 + (f"_pn{cfg.l2_prefetch_next}" if cfg.l2_prefetch_next else "")
-                + (f"_x{stack}" if stack > 1 else ""))
+                + (f"_x{stack}" if stack > 1 else "")
+                + (f"_rc{args.row_chunk}" if args.row_chunk else ""))
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
             fh.write(strip_locations(triton_ir(fn, q)))

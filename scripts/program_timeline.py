@@ -322,22 +322,24 @@ def parse_settings(text: str) -> list[dict]:
     ``plan_work(snap=)``; 0: off), ``gap`` (units the item across a row's tier
     boundary holds fewer, ``plan_work(gap=)``; 0: the caches'), ``grade`` (percent
     fewer units of the rows' odd items, run after the even ones:
-    :func:`grade_items`; 0: off)."""
+    :func:`grade_items`; 0: off), ``row_chunk`` / ``row_share`` (units per chunk a
+    row's cursor hands out as the launch runs, and the percent of the row it hands
+    out: ``LaunchConfig.row_chunk`` / ``row_share``; 0: off / 25)."""
     keys = {"m": "merge", "el": "early", "wave": "wave", "n": "items", "st": "stages",
             "nw": "warps", "tail": "tail", "tw": "low_weight", "ord": "order", "sn": "snap",
-            "gp": "gap", "yg": "grade"}
+            "gp": "gap", "yg": "grade", "rc": "row_chunk", "rs": "row_share"}
     words = {"m": ("rows", "last"), "el": ("0", "1"), "ord": ORDERS}
     out = []
     for part in text.split(";"):
         setting = {"merge": "rows", "early": 0, "wave": -1, "items": 0, "stages": 0,
                    "warps": 0, "tail": 0, "low_weight": 0, "order": "row", "snap": 0,
-                   "gap": 0, "grade": 0}
+                   "gap": 0, "grade": 0, "row_chunk": 0, "row_share": 25}
         for item in filter(None, part.split(",")):
             k, _, val = item.partition("=")
             if k not in keys or (val not in words[k] if k in words else not val.isdigit()):
                 raise SystemExit(f"--settings: unknown setting {item!r} (m=rows|last, "
                                  "el=0|1, wave=N, n=N, st=N, nw=N, tail=P, tw=N, "
-                                 "ord=row|index|mixed, sn=P, gp=N, yg=P)")
+                                 "ord=row|index|mixed, sn=P, gp=N, yg=P, rc=N, rs=P)")
             setting[keys[k]] = val if k in ("m", "ord") else int(val)
         if setting["tail"] and (setting["merge"] != "rows" or setting["tail"] >= 100):
             raise SystemExit(f"--settings: tail={setting['tail']} needs m=rows and a "
@@ -353,6 +355,12 @@ def parse_settings(text: str) -> list[dict]:
             raise SystemExit(f"--settings: sn={setting['snap']} must be a percentage under 50")
         if setting["snap"] and setting["gap"]:
             raise SystemExit("--settings: sn= and gp= cannot be combined")
+        if setting["row_chunk"] and (setting["tail"] or setting["order"] != "row"
+                                     or setting["grade"] or setting["early"]):
+            raise SystemExit(f"--settings: rc={setting['row_chunk']} walks the plan's rows "
+                             "(no tail=, ord=, yg= or el=1)")
+        if setting["row_share"] > 100:
+            raise SystemExit(f"--settings: rs={setting['row_share']} must be a percentage")
         out.append(setting)
     return out
 
@@ -363,8 +371,11 @@ def label(setting: dict) -> str:
     wave = {-1: "", 0: ",wave=off"}.get(setting["wave"], f",wave={setting['wave']}")
     rest = "".join(f",{k}={setting[name]}" for k, name in
                    (("n", "items"), ("st", "stages"), ("nw", "warps"), ("tail", "tail"),
-                    ("tw", "low_weight"), ("sn", "snap"), ("gp", "gap"), ("yg", "grade"))
+                    ("tw", "low_weight"), ("sn", "snap"), ("gp", "gap"), ("yg", "grade"),
+                    ("rc", "row_chunk"))
                    if setting[name])
+    if setting["row_chunk"]:
+        rest += f",rs={setting['row_share']}"
     if setting["order"] != "row":
         rest += f",ord={setting['order']}"
     return f"m={setting['merge']},el={setting['early']}{wave}{rest}"
@@ -560,7 +571,9 @@ def main() -> int:
                       head_dim=0 if mix == "bf16" else D, transposed=transposed,
                       weights=weights, early_row_loads=bool(setting["early"]))
         cfg = dataclasses.replace(cfg, num_stages=setting["stages"] or cfg.num_stages,
-                                  num_warps=setting["warps"] or cfg.num_warps)
+                                  num_warps=setting["warps"] or cfg.num_warps,
+                                  row_chunk=setting["row_chunk"],
+                                  row_share=setting["row_share"])
         wave = plan_wave() if setting["wave"] < 0 else (setting["wave"] or None)
         n_items = setting["items"] or work_items(S, H)
         high = pdk.tier_bounds(tiers, weights)  # each row's high units

@@ -201,17 +201,19 @@ def test_compiled_trace_on_gpu(merged):
 
 
 def test_settings_parse_and_refuse_unknown_ones():
-    rest = {"tail": 0, "low_weight": 0, "order": "row", "snap": 0, "gap": 0, "grade": 0}
+    rest = {"tail": 0, "low_weight": 0, "order": "row", "snap": 0, "gap": 0, "grade": 0,
+            "row_chunk": 0, "row_share": 25}
     assert parse_settings("m=last,el=1,wave=528;n=2112,st=2") == [
         {"merge": "last", "early": 1, "wave": 528, "items": 0, "stages": 0, "warps": 0, **rest},
         {"merge": "rows", "early": 0, "wave": -1, "items": 2112, "stages": 2, "warps": 0,
          **rest}]
     assert [label(x) for x in parse_settings(
         "m=rows;wave=0,el=1;nw=2;tail=25,tw=15;ord=mixed,tw=15;ord=row;m=last,tw=15,sn=10;"
-        "yg=9,tw=15;m=last,tw=15,gp=12")] == [
+        "yg=9,tw=15;m=last,tw=15,gp=12;m=last,rc=4;rc=8,rs=50")] == [
         "m=rows,el=0", "m=rows,el=1,wave=off", "m=rows,el=0,nw=2", "m=rows,el=0,tail=25,tw=15",
         "m=rows,el=0,tw=15,ord=mixed", "m=rows,el=0", "m=last,el=0,tw=15,sn=10",
-        "m=rows,el=0,tw=15,yg=9", "m=last,el=0,tw=15,gp=12"]
+        "m=rows,el=0,tw=15,yg=9", "m=last,el=0,tw=15,gp=12", "m=last,el=0,rc=4,rs=25",
+        "m=rows,el=0,rc=8,rs=50"]
     for bad in ("m=first", "el=2", "lanes=2", "wave=-3", "st=two", "tw=1.5", "ord=random",
                 "sn=0.1"):
         with pytest.raises(SystemExit, match="unknown setting"):
@@ -225,6 +227,9 @@ def test_settings_parse_and_refuse_unknown_ones():
         parse_settings("tw=15,sn=10,gp=12")
     for bad in ("m=last,yg=9", "yg=9,tail=25", "yg=9,ord=index", "yg=50"):
         with pytest.raises(SystemExit, match="yg="):
+            parse_settings(bad)
+    for bad in ("rc=4,tail=25", "rc=4,ord=index", "rc=4,yg=9", "rc=4,el=1", "rc=4,rs=101"):
+        with pytest.raises(SystemExit, match="rc=4|rs=101"):
             parse_settings(bad)
 
 
