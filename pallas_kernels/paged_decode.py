@@ -1013,39 +1013,41 @@ def _walk_row_chunks(walks, between, carry, ranges_ref, cursor_ref, *, item, row
     if on_start is not None:
         on_start(lo)
 
-    def take():
-        """The next chunk's first unit (past the row's units when none is left)."""
+    def take(real):
+        """The next chunk's first unit (past the row's units when none is left) where
+        ``real``; elsewhere the cursor is left as it is and the value is meaningless
+        (a masked atomic: no branch around it)."""
         if interpret:  # programs run one after another
             got = cursor_ref[row]
-            cursor_ref[row] = got + chunk
+            cursor_ref[row] = got + jnp.where(real, chunk, 0)
         else:
             from jax.experimental.pallas import triton as plgpu
 
-            got = plgpu.atomic_add(cursor_ref, row, jnp.full((), chunk, jnp.int32))
+            got = plgpu.atomic_add(cursor_ref, row, jnp.full((), chunk, jnp.int32),
+                                   mask=real)
 
-        @pl.when(got == (taken + n - 1) * chunk)
+        @pl.when(real & (got == (taken + n - 1) * chunk))
         def _reset():  # the row's last take: every other item has taken its last
             cursor_ref[row] = jnp.int32(0)
         return pool + got
 
-    state = (lo, jnp.where(used, (k + 1) * fixed, units), carry)
+    lo, hi = lo, jnp.where(used, (k + 1) * fixed, units)
     for t, (walk, bound) in enumerate(walks):
-        def cond(st, bound=bound):
-            lo, _, crosses, _ = st
-            return (lo < bound) & ~crosses
-
         def body(st, walk=walk, bound=bound):
-            lo, hi, _, carry = st
+            lo, hi, carry = st
             carry = walk((lo, hi), carry)
-            crosses = hi > bound  # the chunk goes on in the next tier's loop
-            nxt = lax.cond(crosses, lambda: lo, take)
-            return nxt, jnp.where(crosses, hi, jnp.minimum(nxt + chunk, units)), crosses, carry
+            # A chunk across the tier's end goes on in the next tier's loop, from its
+            # first unit there.
+            crosses = hi > bound
+            nxt = take(~crosses)
+            return (jnp.where(crosses, bound, nxt),
+                    jnp.where(crosses, hi, jnp.minimum(nxt + chunk, units)), carry)
 
-        lo, hi, _, carry = lax.while_loop(cond, body, (*state[:2], jnp.bool_(False), state[2]))
+        lo, hi, carry = lax.while_loop(lambda st, bound=bound: st[0] < bound, body,
+                                       (lo, hi, carry))
         if t + 1 < len(walks):
             carry = between(t, carry)
-        state = (lo, hi, carry)
-    return state[2]
+    return carry
 
 
 def _store_and_merge(merge_refs, partial_refs, outs, m, l, item, row_item, *, group: int,

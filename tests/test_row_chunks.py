@@ -109,6 +109,30 @@ def test_bad_row_chunk_settings():
                                   interpret=True)
 
 
+def test_gpu_lowering_takes_chunks_with_masked_atomics():
+    # Lowered for CUDA on the CPU: one masked add of the chunk (an i32, not the mask:
+    # Pallas' lowering passed the i1 there when the added value was computed) on the
+    # row's cursor per tier loop, each tier's page loop inside a loop over chunks.
+    import re
+
+    from scripts.kernel_resources import strip_locations, triton_ir
+    from tests.test_paged_decode_kernel import lowering_tiers
+
+    D, G = 128, 4
+    tiers = lowering_tiers(D)
+    work = pdk.plan_work(jnp.ones((1, 1), jnp.int32), 4)
+    cfg = pdk.LaunchConfig(transposed=True, page_lanes=2, values_in_place=True,
+                           row_chunk=4)
+    fn = jax.jit(lambda q: pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg, work=work,
+                                                     padded_rows=8, interpret=False))
+    ir = strip_locations(triton_ir(fn, jnp.zeros((1, 1, G, D), jnp.bfloat16)))
+    atomics = re.findall(r"tt\.atomic_rmw add, acq_rel, gpu, [^\n]*", ir)
+    assert len(atomics) == len(tiers)
+    assert all(re.search(r"%\w+, %\w+, %\w+ : \(!tt\.ptr<i32>, i32, i1\) -> i32", a)
+               for a in atomics)
+    assert len(re.findall(r"scf\.while", ir)) == len(tiers)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("warps,share", [(1, 25), (2, 25), (2, 100)])
 def test_compiled_row_chunks_match_on_gpu(warps, share):
