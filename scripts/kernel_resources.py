@@ -102,8 +102,9 @@ def compile_sass(triton, ir_path: str, out_dir: str, name: str, warps: int, stag
     return regs, spills, k.metadata.shared, sass
 
 
-def loop_bodies(sass: str) -> list[list[str]]:
-    """The instructions of each loop of a SASS listing (a backward branch closes a loop)."""
+def loop_bodies(sass: str, innermost: bool = False) -> list[list[str]]:
+    """The instructions of each loop of a SASS listing (a backward branch closes a loop);
+    ``innermost``: only the loops that hold no other loop."""
     labels, cur, instrs = {}, None, []
     for line in sass.split("\n"):
         m = re.match(r"^(\.L_x_\d+):", line)
@@ -120,8 +121,11 @@ def loop_bodies(sass: str) -> list[list[str]]:
     for addr, text in instrs:
         m = re.search(r"BRA `?\(?(\.L_x_\d+)", text)
         if m and labels.get(m.group(1)) is not None and labels[m.group(1)] < addr:
-            loops.append([t for a, t in instrs if labels[m.group(1)] <= a <= addr])
-    return loops
+            loops.append((labels[m.group(1)], addr))
+    if innermost:  # loops around others (LaunchConfig.row_chunk's over chunks) left out
+        loops = [(a, b) for a, b in loops
+                 if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    return [[t for x, t in instrs if a <= x <= b] for a, b in loops]
 
 
 def opcode_counts(body: list[str]) -> collections.Counter:
@@ -299,7 +303,7 @@ def main() -> int:
         except Exception as e:  # keep going: report which IR the package rejects
             print(line + f"  compile failed: {str(e).splitlines()[0][:100]}")
             continue
-        bodies = loop_bodies(sass)
+        bodies = loop_bodies(sass, innermost=True)
         per_token = [f"{len(b) * warps / c:.1f}" for b, c in zip(bodies, caps)]
         blocks = min(65536 // max(1, regs * 32 * warps), 232448 // max(1, smem + 1024), 32)
         print(line + f" {regs:5d} {spills:7d} {smem:7d} {blocks:9d}  {', '.join(per_token)}",

@@ -182,6 +182,23 @@ def test_kernel_resources_writes_the_policy_launch_ir(tmp_path):
         assert "tt.func" in ir and "scf.for" in ir
 
 
+def test_loop_bodies_of_nested_loops():
+    # A loop over chunks around a page loop: all loops, or the page loop alone.
+    from scripts.kernel_resources import loop_bodies
+
+    sass = "\n".join([
+        ".L_x_1:", "        /*0010*/                   IADD3 R1, R1, 0x1 ;",
+        ".L_x_2:", "        /*0020*/                   HMMA R2, R3, R4, R2 ;",
+        "        /*0030*/              @P0 BRA `(.L_x_2) ;",
+        "        /*0040*/                   ATOMG R5, [R6] ;",
+        "        /*0050*/              @P1 BRA `(.L_x_1) ;",
+        ".L_x_3:", "        /*0060*/                   FMUL R7, R7, R8 ;",
+        "        /*0070*/              @P2 BRA `(.L_x_3) ;"])
+    assert [len(b) for b in loop_bodies(sass)] == [2, 5, 2]
+    inner = loop_bodies(sass, innermost=True)
+    assert [b[0].split()[0] for b in inner] == ["HMMA", "FMUL"]
+
+
 def test_throughput_benchmark_serves_a_real_model_to_its_eos(tmp_path):
     # --natural-eos: the embedded model on MATH-500 chat prompts, stopped by its EOS
     # tokens or the --output-len cap; the answers' lengths reported.
