@@ -18,6 +18,7 @@
 #   bash scripts/h200_figures.sh weights      # low pages weighed 15 / 8 of a high page (cuts on the tier boundary too), B = 32
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
 #   bash scripts/h200_figures.sh gap          # the item across a row's tier boundary holding fewer units, B = 32
+#   bash scripts/h200_figures.sh chunks       # a row's rest taken in chunks from its cursor as the launch runs (row_chunk), B = 32
 #   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
 #   bash scripts/h200_figures.sh codes-engine # the engine's GPU tests with values in place and the lanes' metadata once off
 #   bash scripts/h200_figures.sh registers    # two warps per program; ptxas register caps (XLA_FLAGS) for 12 / 14 programs per multiprocessor
@@ -144,6 +145,17 @@ case "${1:-}" in
       --json "$OUT/bench_attention_gap_b32.json"
     python scripts/program_timeline.py --repeats 3 --settings "m=last;m=last,tw=15,gp=12" \
       --json "$OUT/timeline_gap_mix_32x4k.json" ;;
+  chunks)
+    # LaunchConfig.row_chunk: each item walks a fixed share of its row, then takes
+    # chunks of the rest from the row's cursor; one and two warps per program; the
+    # compiled checks first, then the launches chained, then traced
+    pytest -q -m gpu tests/test_row_chunks.py
+    python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
+      --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
+      --tune "m=last;m=last,rc=4;m=last,nw=1;m=last,nw=1,rc=4;m=last,rc=8,rs=50" \
+      --json "$OUT/bench_attention_row_chunks_b32.json"
+    python scripts/program_timeline.py --repeats 3 --settings "m=last;m=last,rc=4" \
+      --json "$OUT/timeline_row_chunks_mix_32x4k.json" ;;
   codes)
     # the value codes' slices left at their bit offsets (vp), each lane's metadata
     # loaded once (ms) and K4V2's 64-slot pages walked a page per step, half a page per
@@ -208,6 +220,6 @@ EOF
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|balance|weights|weights-b128|gap|codes|codes-engine|registers|smollm2|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|balance|weights|weights-b128|gap|chunks|codes|codes-engine|registers|smollm2|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac
