@@ -477,7 +477,7 @@ def load_stored(path: str) -> dict:
     for res in data["results"]:
         used, units = used_items(res)
         for r in res["runs"]:
-            if "balanced_us" not in r:
+            if "balanced_us" not in r and not res.get("launch", {}).get("row_chunk"):
                 r.update(sm_balance(r["start_us"], r["end_us"], r["sm"], units, used))
         res["sm_end_agreement"] = sm_end_agreement(res["runs"], used)
     stored_kinds(data)
@@ -488,10 +488,12 @@ def stored_kinds(data: dict) -> None:
     """:func:`item_kinds` for a stored file's settings that hold their work items but
     not their kinds (files from before kinds were recorded), from the case rebuilt
     on this machine: the same random pages as on the GPU, whose token counts set
-    the rows' tier boundaries."""
+    the rows' tier boundaries. Settings whose programs took chunks of their rows
+    (``row_chunk``) have none: what a program walked is not its item's range."""
     a = data["args"]
     todo = [res for res in data["results"]
-            if "kinds" not in res and "items" in res and "launch" in res]
+            if "kinds" not in res and "items" in res and "launch" in res
+            and not res["launch"].get("row_chunk")]
     if a["variant"] not in ("diffkv-50/50", "diffkv-mix") or not todo:
         return
     import jax
@@ -620,12 +622,16 @@ def main() -> int:
         runs = []
         for _ in range(args.repeats):
             summary = summarize(np.asarray(traced(q, tiers, work)), units, used)
+            if cfg.row_chunk:  # the programs walked what they took, not their items' units
+                summary.update(fixed_us=float("nan"), per_unit_us=float("nan"),
+                               balanced_us=float("nan"))
             if merged:
                 summary["merge_excess_us"] = merge_excess(summary, used, seg)
             runs.append(summary)
         results.append({"setting": label(setting), "wave": wave, "work_items": n_items,
                         "launch": dataclasses.asdict(cfg), "items": items.tolist(),
-                        **({"kinds": item_kinds(items, high, H)} if len(tiers) == 2 else {}),
+                        **({"kinds": item_kinds(items, high, H)}
+                           if len(tiers) == 2 and not cfg.row_chunk else {}),
                         "runs": runs, "sm_end_agreement": sm_end_agreement(runs, used)})
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as fh:  # after every setting: a run cut short keeps them
