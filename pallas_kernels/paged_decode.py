@@ -1031,7 +1031,7 @@ def _walk_row_chunks(walks, between, carry, ranges_ref, cursor_ref, *, item, row
             cursor_ref[row] = jnp.int32(0)
         return pool + got
 
-    lo, hi = lo, jnp.where(used, (k + 1) * fixed, units)
+    hi = jnp.where(used, (k + 1) * fixed, units)
     for t, (walk, bound) in enumerate(walks):
         def body(st, walk=walk, bound=bound):
             lo, hi, carry = st
@@ -1482,7 +1482,8 @@ def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
     return pl.pallas_call(
         kernel, grid=(N,), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         interpret=interpret,
-        # The counters are updated in place: every row's ends at zero again.
+        # The merge counters and the cursors are updated in place: every row's ends
+        # at zero again.
         input_output_aliases=aliases,
         compiler_params=None if interpret else backend.compiler_params(cfg.num_warps,
                                                                        cfg.num_stages),
