@@ -297,3 +297,87 @@ def prefetch_l2(ref, index, elements: int, when=True) -> None:
     if L2_PREFETCH:
         prefetch_l2_p.bind(ref, jnp.asarray(index, jnp.int32), jnp.asarray(when, jnp.bool_),
                            elements=int(elements))
+
+
+# An atomic add without memory ordering. Pallas' own atomics lower to acquire-release
+# at GPU scope: the add then waits for the program's earlier stores to be visible, and
+# its later loads wait for the add. A counter that hands out work publishes no data, so
+# its take needs atomicity alone; this primitive lowers, in the Triton lowering only,
+# to a relaxed atomic add on ``ref[index]`` (a 1-D int32 ref), under ``mask``.
+def _atomic_effect():
+    """An effect of its own, allowed in loops and kept inside the kernel (None where
+    this JAX's private API differs)."""
+    try:
+        from jax._src import effects
+        from jax._src.pallas import core as pallas_core
+    except ImportError:
+        return None
+
+    class RelaxedAtomicEffect(effects.Effect):
+        pass
+
+    effects.control_flow_allowed_effects.add_type(RelaxedAtomicEffect)
+    pallas_core.kernel_local_effects.add_type(RelaxedAtomicEffect)
+    return RelaxedAtomicEffect()
+
+
+_ATOMIC_EFFECT = _atomic_effect()
+
+
+def _relaxed_add_abstract_eval(ref, index, value, mask):
+    del ref, index, mask
+    return value, {_ATOMIC_EFFECT}  # the value's aval: an int32 scalar
+
+
+relaxed_add_p = jex_core.Primitive("pallas_relaxed_atomic_add")
+relaxed_add_p.def_effectful_abstract_eval(_relaxed_add_abstract_eval)
+
+
+def _register_triton_relaxed_add() -> bool:
+    """Teach the Triton lowering :data:`relaxed_add_p`; False when this JAX's private
+    lowering API is not the one written against (:func:`relaxed_atomic_add` then
+    falls back to Pallas' acquire-release atomic)."""
+    try:
+        from jax._src.lib.mlir import ir
+        from jax._src.lib.triton import dialect as tt_dialect
+        from jax._src.pallas.triton import lowering as tl
+    except ImportError:
+        return False
+    if _ATOMIC_EFFECT is None or not (
+            hasattr(tl, "triton_lowering_rules") and hasattr(tt_dialect, "addptr")
+            and hasattr(tt_dialect, "atomic_rmw") and hasattr(tt_dialect, "MemSemantic")
+            and hasattr(tl, "_ensure_ir_value")):
+        return False
+
+    def rule(ctx, ptr, index, value, mask):
+        # constants come in as Python values: IR constants of their avals
+        index, value, mask = (tl._ensure_ir_value(x, aval)
+                              for x, aval in zip((index, value, mask), ctx.avals_in[1:]))
+        address = tt_dialect.addptr(ptr.type, ptr, index)
+        return tt_dialect.atomic_rmw(ir.IntegerType.get_signless(32), tt_dialect.RMWOp.ADD,
+                                     address, value, mask=mask,
+                                     sem=tt_dialect.MemSemantic.RELAXED,
+                                     scope=tt_dialect.MemSyncScope.GPU)
+
+    tl.triton_lowering_rules[relaxed_add_p] = rule
+    return True
+
+
+#: Whether :func:`relaxed_atomic_add` lowers to a relaxed atomic.
+RELAXED_ATOMICS = _register_triton_relaxed_add()
+
+
+def relaxed_atomic_add(ref, index, value: int, mask=True):
+    """``ref[index] += value`` as one atomic without memory ordering inside a compiled
+    Triton kernel, where ``mask`` (a bool scalar) holds; the value before the add
+    (meaningless where ``mask`` is False). ``ref``: a 1-D int32 ref; ``index``: an
+    int32 scalar in bounds. Acquire-release (Pallas' atomic) where this JAX's
+    lowering is not the one written against; outside a compiled GPU kernel the
+    caller emulates it."""
+    index, mask = jnp.asarray(index, jnp.int32), jnp.asarray(mask, jnp.bool_)
+    value = jnp.full((), value, jnp.int32)
+    if not RELAXED_ATOMICS:
+        from jax.experimental.pallas import triton as plgpu
+
+        return plgpu.atomic_add(ref, index, value, mask=mask)
+    return relaxed_add_p.bind(ref, index, value, mask)

@@ -1020,11 +1020,8 @@ def _walk_row_chunks(walks, between, carry, ranges_ref, cursor_ref, *, item, row
         if interpret:  # programs run one after another
             got = cursor_ref[row]
             cursor_ref[row] = got + jnp.where(real, chunk, 0)
-        else:
-            from jax.experimental.pallas import triton as plgpu
-
-            got = plgpu.atomic_add(cursor_ref, row, jnp.full((), chunk, jnp.int32),
-                                   mask=real)
+        else:  # no memory ordering: the cursor publishes no data
+            got = backend.relaxed_atomic_add(cursor_ref, row, chunk, real)
 
         @pl.when(real & (got == (taken + n - 1) * chunk))
         def _reset():  # the row's last take: every other item has taken its last
