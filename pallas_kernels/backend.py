@@ -202,25 +202,24 @@ def read_clock(dep, which: str):
 # Pallas has no such operation, so this primitive lowers, in the Triton lowering
 # only, to inline PTX on the address of ``ref[index, 0, ...]``; it reads nothing
 # back and changes no result.
-def _prefetch_effect():
-    """An effect of its own, so that the prefetch survives dead-code elimination (a
-    read of a ref whose value is unused would not), allowed in loops and kept
-    inside the kernel (None where this JAX's private API differs)."""
+def _kernel_effect(name: str):
+    """An effect of its own (a class named ``name``), allowed in loops and kept inside
+    the kernel, so that a primitive carrying it survives dead-code elimination and
+    keeps its place (None where this JAX's private API differs)."""
     try:
         from jax._src import effects
         from jax._src.pallas import core as pallas_core
     except ImportError:
         return None
 
-    class PrefetchEffect(effects.Effect):
-        pass
-
-    effects.control_flow_allowed_effects.add_type(PrefetchEffect)
-    pallas_core.kernel_local_effects.add_type(PrefetchEffect)
-    return PrefetchEffect()
+    effect_type = type(name, (effects.Effect,), {})
+    effects.control_flow_allowed_effects.add_type(effect_type)
+    pallas_core.kernel_local_effects.add_type(effect_type)
+    return effect_type()
 
 
-_PREFETCH_EFFECT = _prefetch_effect()
+# (a read of a ref whose value is unused would not survive)
+_PREFETCH_EFFECT = _kernel_effect("PrefetchEffect")
 
 
 def _prefetch_abstract_eval(ref, index, when, *, elements):
@@ -304,24 +303,7 @@ def prefetch_l2(ref, index, elements: int, when=True) -> None:
 # its later loads wait for the add. A counter that hands out work publishes no data, so
 # its take needs atomicity alone; this primitive lowers, in the Triton lowering only,
 # to a relaxed atomic add on ``ref[index]`` (a 1-D int32 ref), under ``mask``.
-def _atomic_effect():
-    """An effect of its own, allowed in loops and kept inside the kernel (None where
-    this JAX's private API differs)."""
-    try:
-        from jax._src import effects
-        from jax._src.pallas import core as pallas_core
-    except ImportError:
-        return None
-
-    class RelaxedAtomicEffect(effects.Effect):
-        pass
-
-    effects.control_flow_allowed_effects.add_type(RelaxedAtomicEffect)
-    pallas_core.kernel_local_effects.add_type(RelaxedAtomicEffect)
-    return RelaxedAtomicEffect()
-
-
-_ATOMIC_EFFECT = _atomic_effect()
+_ATOMIC_EFFECT = _kernel_effect("RelaxedAtomicEffect")
 
 
 def _relaxed_add_abstract_eval(ref, index, value, mask):

@@ -878,19 +878,18 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         return accs, m, l, jnp.zeros_like(r), z
 
     def walk_tiers(carry, traced=False):
-        """Every tier's loop over the item's units, in order; ``(carry, exponents)``."""
-        exps, offset = value_exponents(tiers[0]), jnp.int32(0)
+        """Every tier's loop over the item's units, in order."""
+        offset = jnp.int32(0)
         for t, fmt in enumerate(tiers):
-            tier_exps = value_exponents(fmt)
-            if tier_exps != exps:
-                carry, exps = rebase(carry, exps, tier_exps), tier_exps
+            if t:
+                carry = between_tiers(t - 1, carry)
             at_loop = None
             if traced and t == 0:
                 at_loop = lambda value: stamp(value, "loop_ns", "loop_cycles")  # noqa: E731
             carry, offset = tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
                                       s_refs[t] if s_refs else None, carry, offset,
                                       early[t], at_loop, next_tier[t])
-        return carry, exps
+        return carry
 
     def tier_walks():
         """Per tier, ``(walk, end)``: ``walk(span, carry)`` its loop over the units
@@ -898,9 +897,8 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         then the row's units."""
         walks, offset = [], jnp.int32(0)
         for t, fmt in enumerate(tiers):
-            n_tok = tier_refs[6 * t + 5][s_i, h_i]
             start = offset
-            offset = offset + (n_tok + fmt.slots - 1) // fmt.slots * cfg.weight(t)
+            offset = tier_range(t, fmt, tier_refs[6 * t + 5][s_i, h_i], start)[2]
 
             def walk(span, carry, t=t, fmt=fmt, start=start):
                 return tier_loop(t, fmt, tier_refs[6 * t:6 * t + 6],
@@ -926,7 +924,6 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                                                       span_offset)
             if t:
                 next_tier[t - 1] = (fmt, tier_refs[6 * t:6 * t + 6], first_t, last_t)
-    exps = value_exponents(tiers[0])
     if cfg.row_chunk:
         walks, units = tier_walks()
         carry = _walk_row_chunks(
@@ -935,9 +932,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             chunk=cfg.row_chunk, share=cfg.row_share, interpret=interpret,
             on_start=None if trace_ref is None else (
                 lambda value: stamp(value, "loop_ns", "loop_cycles")))
-        exps = value_exponents(tiers[-1])
     else:
-        carry, exps = walk_tiers(carry, trace_ref is not None)
+        carry = walk_tiers(carry, trace_ref is not None)
+    exps = value_exponents(tiers[-1])  # the accumulators' powers of two after the walk
     accs, m, l, r, z = carry
     if trace_ref is not None:  # after the last tier's loop
         stamp(jnp.max(l), "loop_end_ns", "loop_end_cycles")

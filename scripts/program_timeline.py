@@ -477,7 +477,7 @@ def load_stored(path: str) -> dict:
     for res in data["results"]:
         used, units = used_items(res)
         for r in res["runs"]:
-            if "balanced_us" not in r and not res.get("launch", {}).get("row_chunk"):
+            if "balanced_us" not in r:
                 r.update(sm_balance(r["start_us"], r["end_us"], r["sm"], units, used))
         res["sm_end_agreement"] = sm_end_agreement(res["runs"], used)
     stored_kinds(data)
