@@ -334,18 +334,22 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
     refs = refs[2 + 6 * n_t:]
     # merge_items > 0 (paged_decode_merged): the rows' item ranges and merge counters
     # come in, the merged rows go out too (and the counters, aliased). cfg.row_chunk:
-    # the ranges and the rows' cursors come in, the cursors go out (aliased).
+    # the ranges and the rows' cursors come in, the cursors go out (aliased); in a
+    # launch that merges its rows the cursors follow the merge counters in theirs.
     n_merge = 2 if merge_items else 0
     merge_in, refs = refs[:n_merge], refs[n_merge:]
-    cursor_in, refs = (refs[:2], refs[2:]) if cfg.row_chunk else ((), refs)
+    own_cursors = cfg.row_chunk and not merge_items
+    cursor_in, refs = (refs[:2], refs[2:]) if own_cursors else ((), refs)
     (o_ref, m_ref, l_ref), refs = refs[:3], refs[3:]
     merge_out, s_refs = (refs[:4], refs[4:]) if merge_items else ((), refs)
     merge_refs = tuple(merge_in) + tuple(merge_out) if merge_items else None
     trace_ref = cursor_ref = None
     if cfg.trace_programs:
         s_refs, trace_ref = s_refs[:-1], s_refs[-1]
-    if cfg.row_chunk:
+    if own_cursors:
         s_refs, cursor_ref = s_refs[:-1], s_refs[-1]
+    elif cfg.row_chunk:
+        cursor_in, cursor_ref = merge_in[:1], merge_out[3]
     Gp, D = m_ref.shape[-1], q_ref.shape[-1]
     # The output is kept in one accumulator per slice of the most packed value codes.
     parts = max(8 // f.v_bits if f.quantized else 1 for f in tiers)
@@ -926,9 +930,11 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 next_tier[t - 1] = (fmt, tier_refs[6 * t:6 * t + 6], first_t, last_t)
     if cfg.row_chunk:
         walks, units = tier_walks()
+        rows = tier_refs[5].shape[0] * tier_refs[5].shape[1]
         carry = _walk_row_chunks(
             walks, between_tiers, carry, cursor_in[0], cursor_ref, item=item,
             row=s_i * tier_refs[5].shape[1] + h_i, used=begin < end, units=units,
+            cursor_offset=rows if merge_items else 0,
             chunk=cfg.row_chunk, share=cfg.row_share, interpret=interpret,
             on_start=None if trace_ref is None else (
                 lambda value: stamp(value, "loop_ns", "loop_cycles")))
@@ -982,7 +988,8 @@ def _stamp(trace_ref, item, dep, columns):
 
 
 def _walk_row_chunks(walks, between, carry, ranges_ref, cursor_ref, *, item, row, used,
-                     units, chunk: int, share: int, interpret: bool, on_start=None):
+                     units, chunk: int, share: int, interpret: bool, cursor_offset=0,
+                     on_start=None):
     """The units of row ``row`` (``s * H + h``) that item ``item`` walks when the launch
     shares its rows out as it runs (:attr:`LaunchConfig.row_chunk`): the item's fixed
     share of the row, then chunks of ``chunk`` units taken from the row's cursor until
@@ -990,8 +997,8 @@ def _walk_row_chunks(walks, between, carry, ranges_ref, cursor_ref, *, item, row
 
     The row's ``n`` items (``ranges_ref``) each take a fixed ``k``-th of the row's first
     ``100 - share`` percent of its ``units``; the rest, from ``n`` times that share on,
-    is handed out by an atomic add on the row's cursor (``cursor_ref [S * H]``, zero
-    at the launch's start). Every item ends on a take past the row's units; the
+    is handed out by an atomic add on the row's cursor (``cursor_ref[cursor_offset +
+    row]``, zero at the launch's start). Every item ends on a take past the row's units; the
     row's last such take (the ``n``-th) sets the cursor to zero again. Items not
     ``used`` walk and take nothing.
 
@@ -1002,6 +1009,7 @@ def _walk_row_chunks(walks, between, carry, ranges_ref, cursor_ref, *, item, row
     after tier ``t``.
     """
     first_item, n = ranges_ref[row, 0], ranges_ref[row, 1]
+    at = row + cursor_offset
     k = item - first_item
     fixed = units * (100 - share) // (100 * jnp.maximum(n, 1))
     pool = n * fixed
@@ -1015,14 +1023,14 @@ def _walk_row_chunks(walks, between, carry, ranges_ref, cursor_ref, *, item, row
         ``real``; elsewhere the cursor is left as it is and the value is meaningless
         (a masked atomic: no branch around it)."""
         if interpret:  # programs run one after another
-            got = cursor_ref[row]
-            cursor_ref[row] = got + jnp.where(real, chunk, 0)
+            got = cursor_ref[at]
+            cursor_ref[at] = got + jnp.where(real, chunk, 0)
         else:  # no memory ordering: the cursor publishes no data
-            got = backend.relaxed_atomic_add(cursor_ref, row, chunk, real)
+            got = backend.relaxed_atomic_add(cursor_ref, at, chunk, real)
 
         @pl.when(real & (got == (taken + n - 1) * chunk))
         def _reset():  # the row's last take: every other item has taken its last
-            cursor_ref[row] = jnp.int32(0)
+            cursor_ref[at] = jnp.int32(0)
         return pool + got
 
     hi = jnp.where(used, (k + 1) * fixed, units)
@@ -1431,7 +1439,7 @@ def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
     if merge is not None:
         args += [work.ranges.astype(jnp.int32), merge[0]]
         aliases[len(args) - 1] = 6
-    if cfg.row_chunk:  # the rows' cursors, zero, and their items' ranges
+    if cfg.row_chunk and merge is None:  # the rows' cursors, zero, and their items' ranges
         if work.ranges is None:
             raise ValueError("LaunchConfig.row_chunk needs the work list's ranges "
                              "(plan_work's)")
@@ -1458,7 +1466,7 @@ def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
             shape = (S, H, rows, t.pages.shape[-1] * t.fmt.slots)
             out_shape.append(jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.logits_dtype)))
             out_specs.append(pl.BlockSpec(shape, lambda w: (0, 0, 0, 0)))
-    if cfg.row_chunk:  # updated in place: every row's ends at zero again
+    if cfg.row_chunk and merge is None:  # updated in place: every row's ends at zero again
         aliases[len(args) - 1] = len(out_shape)
         out_shape.append(jax.ShapeDtypeStruct((S * H,), jnp.int32))
         out_specs.append(whole(out_shape[-1]))
@@ -1485,11 +1493,12 @@ def _decode_call(q, tiers, G: int, Gp: int, cfg: LaunchConfig, work: WorkList,
     )(*args)
 
 
-def merge_counters(S: int, H: int) -> jax.Array:
+def merge_counters(S: int, H: int, cfg: LaunchConfig = LaunchConfig()) -> jax.Array:
     """Zeroed merge counters for :func:`paged_decode_merged`, one per (sequence, KV
-    head) row; every launch leaves them zero again, so a decode step makes them
-    once and passes each launch's to the next."""
-    return jnp.zeros((S * H,), jnp.int32)
+    head) row, then with ``cfg.row_chunk`` the rows' cursors (``[2 * S * H]``);
+    every launch leaves them zero again, so a decode step makes them once and
+    passes each launch's to the next."""
+    return jnp.zeros((S * H * (2 if cfg.row_chunk else 1),), jnp.int32)
 
 
 def paged_decode_merged(q, tiers: Sequence[TierInput], *, work: WorkList,
@@ -1510,8 +1519,9 @@ def paged_decode_merged(q, tiers: Sequence[TierInput], *, work: WorkList,
     Args:
       q, tiers, group, cfg, padded_rows: as :func:`paged_decode_partials`.
       work: the launch's work items, with ``ranges``.
-      counters: ``[S * H]`` int32 zeros (:func:`merge_counters`; made here if None),
-        updated in place and returned zero again: pass one launch's to the next.
+      counters: int32 zeros, ``[S * H]`` or with ``cfg.row_chunk`` ``[2 * S * H]``
+        (:func:`merge_counters`; made here if None), updated in place and returned
+        zero again: pass one launch's to the next.
       out_dtype: dtype of ``out``.
       items_per_step: items the merging program loads and folds together (a power
         of two; its loads are registers held at the launch's end).
@@ -1525,7 +1535,7 @@ def paged_decode_merged(q, tiers: Sequence[TierInput], *, work: WorkList,
       :func:`merge_work` (rows without items: zeros, ``M = NEG_INF``, ``L = 0``),
       the logits as :func:`paged_decode_partials`'s, and the counters.
     """
-    merge = _merge_spec(q, work, counters, out_dtype, items_per_step, normalize)
+    merge = _merge_spec(q, work, counters, out_dtype, items_per_step, normalize, cfg)
     interpret, G, Gp = _check_launch(q, tiers, padded_rows, group, interpret, cfg)
     S, H = q.shape[:2]
     outs = _decode_call(q, tiers, G, Gp, cfg, work, interpret, merge)
@@ -1556,7 +1566,7 @@ def program_trace(q, tiers: Sequence[TierInput], *, work: WorkList, group: int |
     clocks cost a few instructions per program; the outputs are the untraced
     launch's.
     """
-    merge = (_merge_spec(q, work, None, jnp.float32, items_per_step, True) if merged
+    merge = (_merge_spec(q, work, None, jnp.float32, items_per_step, True, cfg) if merged
              else None)
     interpret, G, Gp = _check_launch(q, tiers, padded_rows, group, False)
     cfg = dataclasses.replace(cfg, trace_programs=True)
@@ -1564,7 +1574,7 @@ def program_trace(q, tiers: Sequence[TierInput], *, work: WorkList, group: int |
 
 
 def _merge_spec(q, work: WorkList, counters, out_dtype, items_per_step: int,
-                normalize: bool):
+                normalize: bool, cfg: LaunchConfig):
     """The ``merge`` argument of :func:`_decode_call` for a launch that merges its
     own rows, after checking the work list, ``items_per_step`` and the counters
     (zeroed ones made where None)."""
@@ -1575,10 +1585,11 @@ def _merge_spec(q, work: WorkList, counters, out_dtype, items_per_step: int,
         raise ValueError(f"items_per_step must be a power of two, got {items_per_step}")
     S, H = q.shape[:2]
     if counters is None:
-        counters = merge_counters(S, H)
-    if counters.shape != (S * H,) or counters.dtype != jnp.int32:
-        raise ValueError(f"counters must be int32 [{S * H}], got {counters.dtype} "
-                         f"{counters.shape}")
+        counters = merge_counters(S, H, cfg)
+    size = merge_counters(S, H, cfg).shape
+    if counters.shape != size or counters.dtype != jnp.int32:
+        raise ValueError(f"counters must be int32 {list(size)} (merge_counters(S, H, cfg)), "
+                         f"got {counters.dtype} {counters.shape}")
     return counters, out_dtype, items_per_step, normalize
 
 

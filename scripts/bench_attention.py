@@ -273,7 +273,7 @@ def main() -> int:
         if threaded:  # merged in the decode launch; its counters pass from launch to launch
             def prepare(tiers):
                 S_, H_ = tiers[0].n_tok.shape
-                return plan(tiers), pdk.merge_counters(S_, H_)
+                return plan(tiers), pdk.merge_counters(S_, H_, cfg)
 
             def launch(qg, prepared, tiers, cfg=cfg):
                 work, counters = prepared

@@ -210,8 +210,8 @@ def main() -> int:
 
                 threaded = merge[0] == "last"
                 if threaded:
-                    def planned(tiers, act, planned=planned):
-                        return planned(tiers, act), pdk.merge_counters(S, H)
+                    def planned(tiers, act, planned=planned, cfg=lcfg):
+                        return planned(tiers, act), pdk.merge_counters(S, H, cfg)
 
                 @jax.jit
                 def work(qr, tiers, act, planned=planned, launch=launch, threaded=threaded):

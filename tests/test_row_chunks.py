@@ -92,9 +92,25 @@ def test_merged_launch_with_row_chunks(share):
                                                  transposed=True)
     got, ref, logits = merged_and_reference(q, tiers, cfg, work, rows, 4)
     check_merged(got, ref, logits, tiers, work, 2e-5)
+    S, H = q.shape[:2]
+    # The cursors follow the merge counters in the same array, zero again after.
+    assert got[4].shape == (2 * S * H,)
     has = np.asarray(work.ranges)[:, 1].reshape(q.shape[:2]) > 0
     scale = float(jnp.abs(jnp_ref[has]).max())
     assert float(jnp.abs(got[0] - jnp_ref)[has].max()) <= 3e-2 * scale
+    # A launch's counters passed to the next: the same rows again.
+    again, _, _ = merged_and_reference(q, tiers, cfg, work, rows, 4, counters=got[4])
+    np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(got[0]))
+
+
+def test_merged_launch_counters_hold_the_cursors():
+    q, tiers, cfg, work, rows, _ = _launch("k8v4+k4v2", 64, 3, 16, dict(row_chunk=2))
+    S, H = q.shape[:2]
+    assert pdk.merge_counters(S, H, cfg).shape == (2 * S * H,)
+    assert pdk.merge_counters(S, H).shape == (S * H,)
+    with pytest.raises(ValueError, match="merge_counters"):  # the counters alone
+        pdk.paged_decode_merged(q, tiers, work=work, counters=pdk.merge_counters(S, H),
+                                group=3, cfg=cfg, padded_rows=rows, interpret=True)
 
 
 def test_bad_row_chunk_settings():
