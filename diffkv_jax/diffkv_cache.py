@@ -48,6 +48,7 @@ import numpy as np
 from flax import struct
 
 from diffkv_jax import attention as attn_ref
+from diffkv_jax import diffkv_kernel_attention as dka
 from diffkv_jax import diffkv_policy as pol
 from diffkv_jax import free_list as fl
 from diffkv_jax import quantization as qz
@@ -78,7 +79,7 @@ class DiffKVState:
     prompt_len: jax.Array
     free: fl.FreeList
     alloc_failed: jax.Array
-    merge_counters: jax.Array  # [S * H] int32, zero between launches
+    merge_counters: jax.Array  # [S * H] int32 (then the row cursors), zero between launches
 
 
 @struct.dataclass
@@ -354,7 +355,7 @@ class DiffKVCache(SlotAccounting):
             prompt_len=jnp.zeros((S + 1,), jnp.int32),
             free=fl.new_free_list(num_pages),
             alloc_failed=jnp.zeros((), bool),
-            merge_counters=pdk.merge_counters(S, H),
+            merge_counters=dka.merge_counters(S, H),
         )
 
     @staticmethod
@@ -970,3 +971,4 @@ def compressed_decode_attention(q, k_new, v_new, hi: RowView, lo: RowView):
     n_hi = hi.keys.shape[2]
     n_lo = lo.keys.shape[2]
     return out, pm[..., :n_hi], pm[..., n_hi:n_hi + n_lo], pm[..., -1]
+

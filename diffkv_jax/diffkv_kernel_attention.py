@@ -137,6 +137,20 @@ SPLIT_PAGES = False
 LANE_META_SELECT = True
 
 
+#: Work units a quantized launch's program takes at a time from its row's cursor once
+#: it has walked its fixed share of the row (``LaunchConfig.row_chunk``; 0: off), and
+#: the percent of each row handed out that way (``LaunchConfig.row_share``). The
+#: cursors follow the merge counters in the caches' state (:func:`merge_counters`).
+ROW_CHUNK = 0
+ROW_SHARE = 25
+
+
+def merge_counters(S: int, H: int):
+    """Zeroed merge counters (and :data:`ROW_CHUNK`'s cursors) of the caches' launches
+    over ``S x H`` rows, kept in the cache state from launch to launch."""
+    return pdk.merge_counters(S, H, pdk.LaunchConfig(row_chunk=ROW_CHUNK, row_share=ROW_SHARE))
+
+
 def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
             weights: tuple = (), logits_dtype: str = "float16",
             early_row_loads: bool = False) -> pdk.LaunchConfig:
@@ -153,7 +167,9 @@ def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
                             tier_weights=tuple(weights), logits_dtype=logits_dtype,
                             early_row_loads=early_row_loads,
                             values_in_place=VALUES_IN_PLACE, split_pages=SPLIT_PAGES,
-                            lane_meta_select=LANE_META_SELECT)
+                            lane_meta_select=LANE_META_SELECT,
+                            row_chunk=ROW_CHUNK if head_dim and not early_row_loads else 0,
+                            row_share=ROW_SHARE)
 
 
 def _grouped_query(q, H: int):

@@ -179,3 +179,28 @@ def test_compiled_row_chunks_match_on_gpu(warps, share):
     scale = float(jnp.abs(want).max())
     assert float(jnp.abs(outs - want[None]).max()) <= 1e-3 * scale
     assert float(jnp.abs(want - jnp_ref).max()) <= 3e-2 * scale
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.gpu)],
+                         ids=["here", "gpu"])
+def test_caches_with_row_chunks_serve_the_same_tokens(tiny_model, compiled, monkeypatch):
+    # diffkv_kernel_attention.ROW_CHUNK: the caches' launches take their rows' rest
+    # from cursors kept after the merge counters in the state. The same greedy
+    # tokens and scores as without, up to the summation order (a cursor left
+    # nonzero would skip the next launch's chunks: other tokens).
+    from diffkv_jax import diffkv_kernel_attention as dka
+    from tests.test_diffkv_kernel_path import (_assert_scores_agree, _kernel_method, _serve,
+                                               _two_prompts)
+
+    cfg, params, prompts = _two_prompts(tiny_model, compiled, seed=13)
+    method = _kernel_method(cfg, compiled, merge_impl="launch")
+    runs = []
+    for chunk in (0, 2):
+        monkeypatch.setattr(dka, "ROW_CHUNK", chunk)
+        jax.clear_caches()  # the launch settings are read when the step is traced
+        runs.append(_serve(cfg, params, method, prompts, max_new=40, steps=30))
+        counters = method.init_state(64).merge_counters
+        assert counters.shape == ((2 if chunk else 1) * 2 * cfg.num_kv_heads,)
+    assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
+    assert runs[0][2]["frac_low"] > 0
+    _assert_scores_agree(runs[1][1], runs[0][1], compiled)
