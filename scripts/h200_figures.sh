@@ -152,7 +152,7 @@ case "${1:-}" in
     pytest -q -m gpu tests/test_row_chunks.py
     python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
       --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
-      --tune "m=last;m=last,rc=4;m=last,nw=1;m=last,nw=1,rc=4;m=last,rc=8,rs=50" \
+      --tune "m=last;m=last,nw=1;m=last,rc=4;m=last,rc=8;m=last,rc=16,rs=50" \
       --json "$OUT/bench_attention_row_chunks_b32.json"
     python scripts/program_timeline.py --repeats 3 --settings "m=last;m=last,rc=4" \
       --json "$OUT/timeline_row_chunks_mix_32x4k.json" ;;
