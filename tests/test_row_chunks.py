@@ -126,11 +126,13 @@ def test_bad_row_chunk_settings():
                                   interpret=True)
 
 
-def test_gpu_lowering_takes_chunks_with_masked_atomics():
+@pytest.mark.parametrize("merged", [False, True])
+def test_gpu_lowering_takes_chunks_with_masked_atomics(merged):
     # Lowered for CUDA on the CPU: one masked, relaxed add of the chunk (an i32, not
     # the mask: Pallas' lowering passed the i1 there when the added value was
     # computed) on the row's cursor per tier loop, each tier's page loop inside a loop
-    # over chunks; no other atomic.
+    # over chunks; no other atomic but, in a launch that merges its rows, the merge
+    # counter's.
     import re
 
     from scripts.kernel_resources import strip_locations, triton_ir
@@ -141,12 +143,13 @@ def test_gpu_lowering_takes_chunks_with_masked_atomics():
     work = pdk.plan_work(jnp.ones((1, 1), jnp.int32), 4)
     cfg = pdk.LaunchConfig(transposed=True, page_lanes=2, values_in_place=True,
                            row_chunk=4)
-    fn = jax.jit(lambda q: pdk.paged_decode_partials(q, tiers, group=G, cfg=cfg, work=work,
-                                                     padded_rows=8, interpret=False))
+    launch = pdk.paged_decode_merged if merged else pdk.paged_decode_partials
+    fn = jax.jit(lambda q: launch(q, tiers, group=G, cfg=cfg, work=work, padded_rows=8,
+                                  interpret=False))
     ir = strip_locations(triton_ir(fn, jnp.zeros((1, 1, G, D), jnp.bfloat16)))
     assert backend.RELAXED_ATOMICS
     atomics = re.findall(r"tt\.atomic_rmw add, relaxed, gpu, [^\n]*", ir)
-    assert len(atomics) == len(tiers) == ir.count("tt.atomic_rmw")
+    assert len(atomics) == len(tiers) == ir.count("tt.atomic_rmw") - merged
     assert all(re.search(r"%\w+, %\w+, %\w+ : \(!tt\.ptr<i32>, i32, i1\) -> i32", a)
                for a in atomics)
     assert len(re.findall(r"scf\.while", ir)) == len(tiers)
