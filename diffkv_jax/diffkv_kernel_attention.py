@@ -141,6 +141,8 @@ LANE_META_SELECT = True
 #: it has walked its fixed share of the row (``LaunchConfig.row_chunk``; 0: off), and
 #: the percent of each row handed out that way (``LaunchConfig.row_share``). The
 #: cursors follow the merge counters in the caches' state (:func:`merge_counters`).
+#: Off: 30% slower at 32 x 4K on an H100, its two-warp programs at 143 registers,
+#: 6 per multiprocessor (docs/benchmarks.md 3.0.0w).
 ROW_CHUNK = 0
 ROW_SHARE = 25
 

@@ -147,12 +147,14 @@ case "${1:-}" in
       --json "$OUT/timeline_gap_mix_32x4k.json" ;;
   chunks)
     # LaunchConfig.row_chunk: each item walks a fixed share of its row, then takes
-    # chunks of the rest from the row's cursor; one and two warps per program; the
-    # compiled checks first, then the launches chained, then traced
+    # chunks of the rest from the row's cursor; one and two warps per program (two
+    # compile to 143 registers with cursors, 6 programs per multiprocessor: wave=792
+    # plans for 6 on 132 multiprocessors); the compiled checks first, then the
+    # launches chained, then traced
     pytest -q -m gpu tests/test_row_chunks.py
     python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
       --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
-      --tune "m=last;m=last,nw=1;m=last,rc=4;m=last,rc=8;m=last,rc=16,rs=50" \
+      --tune "m=last;m=last,nw=1;m=last,nw=1,rc=8;m=last,rc=8;m=last,rc=8,wave=792" \
       --json "$OUT/bench_attention_row_chunks_b32.json"
     python scripts/program_timeline.py --repeats 3 --settings "m=last;m=last,rc=4" \
       --json "$OUT/timeline_row_chunks_mix_32x4k.json" ;;
