@@ -971,4 +971,3 @@ def compressed_decode_attention(q, k_new, v_new, hi: RowView, lo: RowView):
     n_hi = hi.keys.shape[2]
     n_lo = lo.keys.shape[2]
     return out, pm[..., :n_hi], pm[..., n_hi:n_hi + n_lo], pm[..., -1]
-

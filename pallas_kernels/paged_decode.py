@@ -930,11 +930,11 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 next_tier[t - 1] = (fmt, tier_refs[6 * t:6 * t + 6], first_t, last_t)
     if cfg.row_chunk:
         walks, units = tier_walks()
-        rows = tier_refs[5].shape[0] * tier_refs[5].shape[1]
+        n_rows = tier_refs[5].shape[0] * tier_refs[5].shape[1]
         carry = _walk_row_chunks(
             walks, between_tiers, carry, cursor_in[0], cursor_ref, item=item,
             row=s_i * tier_refs[5].shape[1] + h_i, used=begin < end, units=units,
-            cursor_offset=rows if merge_items else 0,
+            cursor_offset=n_rows if merge_items else 0,
             chunk=cfg.row_chunk, share=cfg.row_share, interpret=interpret,
             on_start=None if trace_ref is None else (
                 lambda value: stamp(value, "loop_ns", "loop_cycles")))
@@ -998,8 +998,8 @@ def _walk_row_chunks(walks, between, carry, ranges_ref, cursor_ref, *, item, row
     The row's ``n`` items (``ranges_ref``) each take a fixed ``k``-th of the row's first
     ``100 - share`` percent of its ``units``; the rest, from ``n`` times that share on,
     is handed out by an atomic add on the row's cursor (``cursor_ref[cursor_offset +
-    row]``, zero at the launch's start). Every item ends on a take past the row's units; the
-    row's last such take (the ``n``-th) sets the cursor to zero again. Items not
+    row]``, zero at the launch's start). Every item ends on a take past the row's
+    units; the row's last such take (the ``n``-th) sets the cursor to zero again. Items not
     ``used`` walk and take nothing.
 
     ``walks``: per tier ``(walk, end)`` (``walk(span, carry)`` the tier's loop over
