@@ -1498,7 +1498,13 @@ def merge_counters(S: int, H: int, cfg: LaunchConfig = LaunchConfig()) -> jax.Ar
     head) row, then with ``cfg.row_chunk`` the rows' cursors (``[2 * S * H]``);
     every launch leaves them zero again, so a decode step makes them once and
     passes each launch's to the next."""
-    return jnp.zeros((S * H * (2 if cfg.row_chunk else 1),), jnp.int32)
+    return jnp.zeros(_counters_shape(S, H, cfg), jnp.int32)
+
+
+def _counters_shape(S: int, H: int, cfg: LaunchConfig) -> tuple[int]:
+    """Shape of :func:`merge_counters`: a counter per row, then a cursor per row where
+    ``cfg.row_chunk``."""
+    return (S * H * (2 if cfg.row_chunk else 1),)
 
 
 def paged_decode_merged(q, tiers: Sequence[TierInput], *, work: WorkList,
@@ -1586,7 +1592,7 @@ def _merge_spec(q, work: WorkList, counters, out_dtype, items_per_step: int,
     S, H = q.shape[:2]
     if counters is None:
         counters = merge_counters(S, H, cfg)
-    size = merge_counters(S, H, cfg).shape
+    size = _counters_shape(S, H, cfg)
     if counters.shape != size or counters.dtype != jnp.int32:
         raise ValueError(f"counters must be int32 {list(size)} (merge_counters(S, H, cfg)), "
                          f"got {counters.dtype} {counters.shape}")

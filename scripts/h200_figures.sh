@@ -41,6 +41,13 @@ mkdir -p "$OUT"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/diffkv-jax-xla}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-2}
 # TIME_LIMIT: seconds of serving measured; WALL_LIMIT: the same, compilation included.
+# The launches at Llama3-8B's 32 x 4K, chained, against JAX's kernel:
+# tune_32x4k TUNE JSON [VARIANTS] (default: both tier mixes)
+tune_32x4k() {
+  python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
+    --variants "${3:-jax-bf16,diffkv-50/50,diffkv-mix}" --kernel-tiles tokens --chain 32 \
+    --tune "$1" --json "$2"
+}
 THROUGHPUT="--model llama3-8b --kv-budget-gb ${KV_BUDGET_GB:-6} --num-requests 256 --output-len 4096
             --max-batch 128 --time-limit ${TIME_LIMIT:-300} --wall-limit ${WALL_LIMIT:-500}
             --profile-steps 5 --profile-at 120"
@@ -139,10 +146,8 @@ case "${1:-}" in
     # the second loop's start counted in the plan (plan_work(gap=)): the item across a
     # row's tier boundary holds that many units fewer; under 8 : 15 (and 8 : 16, the
     # caches' 1 : 2 in eighths), against the caches' plan; then traced
-    python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
-      --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
-      --tune "m=last;m=last,w=8-15;m=last,w=8-15,gp=12;m=last,w=8-16,gp=12;m=last,w=8-15,gp=15" \
-      --json "$OUT/bench_attention_gap_b32.json"
+    tune_32x4k "m=last;m=last,w=8-15;m=last,w=8-15,gp=12;m=last,w=8-16,gp=12;m=last,w=8-15,gp=15" \
+      "$OUT/bench_attention_gap_b32.json"
     python scripts/program_timeline.py --repeats 3 --settings "m=last;m=last,tw=15,gp=12" \
       --json "$OUT/timeline_gap_mix_32x4k.json" ;;
   chunks)
@@ -152,10 +157,8 @@ case "${1:-}" in
     # plans for 6 on 132 multiprocessors); the compiled checks first, then the
     # launches chained, then traced
     pytest -q -m gpu tests/test_row_chunks.py
-    python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
-      --variants jax-bf16,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
-      --tune "m=last;m=last,nw=1;m=last,nw=1,rc=8;m=last,rc=8;m=last,rc=8,wave=792" \
-      --json "$OUT/bench_attention_row_chunks_b32.json"
+    tune_32x4k "m=last;m=last,nw=1;m=last,nw=1,rc=8;m=last,rc=8;m=last,rc=8,wave=792" \
+      "$OUT/bench_attention_row_chunks_b32.json"
     python scripts/program_timeline.py --repeats 3 --settings "m=last;m=last,rc=4" \
       --json "$OUT/timeline_row_chunks_mix_32x4k.json" ;;
   codes)
@@ -164,10 +167,8 @@ case "${1:-}" in
     # lane (sp): the compiled checks, then the launches chained
     python -m pytest -q -m gpu tests/test_values_in_place.py tests/test_split_pages.py \
       tests/test_lane_meta_select.py
-    python scripts/bench_attention.py --models llama3-8b --batches 32 --contexts 4096 \
-      --variants jax-bf16,diffkv-high,diffkv-50/50,diffkv-mix --kernel-tiles tokens --chain 32 \
-      --tune "m=last,vp=0,ms=0;m=last,vp=1,ms=0;m=last,vp=1,ms=1;m=last,vp=1,ms=1,sp=1" \
-      --json "$OUT/bench_attention_codes_b32.json" ;;
+    tune_32x4k "m=last,vp=0,ms=0;m=last,vp=1,ms=0;m=last,vp=1,ms=1;m=last,vp=1,ms=1,sp=1" \
+      "$OUT/bench_attention_codes_b32.json" jax-bf16,diffkv-high,diffkv-50/50,diffkv-mix ;;
   codes-engine)
     # the caches' GPU tests with two of those options off (their defaults are on):
     # the module's switches set before the tests run in the same process
