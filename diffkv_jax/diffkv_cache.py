@@ -355,7 +355,7 @@ class DiffKVCache(SlotAccounting):
             prompt_len=jnp.zeros((S + 1,), jnp.int32),
             free=fl.new_free_list(num_pages),
             alloc_failed=jnp.zeros((), bool),
-            merge_counters=dka.merge_counters(S, H),
+            merge_counters=dka.merge_counters(S, H, self.early_row_loads),
         )
 
     @staticmethod

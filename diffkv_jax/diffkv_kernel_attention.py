@@ -147,10 +147,17 @@ ROW_CHUNK = 0
 ROW_SHARE = 25
 
 
-def merge_counters(S: int, H: int):
-    """Zeroed merge counters (and :data:`ROW_CHUNK`'s cursors) of the caches' launches
-    over ``S x H`` rows, kept in the cache state from launch to launch."""
-    return pdk.merge_counters(S, H, pdk.LaunchConfig(row_chunk=ROW_CHUNK, row_share=ROW_SHARE))
+def row_chunk(early_row_loads: bool = False) -> int:
+    """The quantized launches' ``LaunchConfig.row_chunk``: :data:`ROW_CHUNK`, or 0 with
+    ``early_row_loads`` (the two do not combine)."""
+    return 0 if early_row_loads else ROW_CHUNK
+
+
+def merge_counters(S: int, H: int, early_row_loads: bool = False):
+    """Zeroed merge counters (and :func:`row_chunk`'s cursors) of the caches' quantized
+    launches over ``S x H`` rows, kept in the cache state from launch to launch."""
+    return pdk.merge_counters(S, H, pdk.LaunchConfig(row_chunk=row_chunk(early_row_loads),
+                                                     row_share=ROW_SHARE))
 
 
 def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
@@ -170,7 +177,7 @@ def _launch(emit_logits: bool, head_dim: int = 0, transposed: bool = False,
                             early_row_loads=early_row_loads,
                             values_in_place=VALUES_IN_PLACE, split_pages=SPLIT_PAGES,
                             lane_meta_select=LANE_META_SELECT,
-                            row_chunk=ROW_CHUNK if head_dim and not early_row_loads else 0,
+                            row_chunk=row_chunk(early_row_loads) if head_dim else 0,
                             row_share=ROW_SHARE)
 
 

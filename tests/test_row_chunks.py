@@ -205,6 +205,9 @@ def test_caches_with_row_chunks_serve_the_same_tokens(tiny_model, compiled, monk
         runs.append(_serve(cfg, params, method, prompts, max_new=40, steps=30))
         counters = method.init_state(64).merge_counters
         assert counters.shape == ((2 if chunk else 1) * 2 * cfg.num_kv_heads,)
+    # early_row_loads launches take no chunks: their state holds no cursors.
+    early = dataclasses.replace(method, early_row_loads=True)
+    assert early.init_state(64).merge_counters.shape == (2 * cfg.num_kv_heads,)
     assert runs[0][0] == runs[1][0] and len(runs[0][0][0]) > 20
     assert runs[0][2]["frac_low"] > 0
     if not compiled:
