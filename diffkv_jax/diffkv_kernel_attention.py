@@ -142,7 +142,8 @@ LANE_META_SELECT = True
 #: the percent of each row handed out that way (``LaunchConfig.row_share``). The
 #: cursors follow the merge counters in the caches' state (:func:`merge_counters`).
 #: Off: 30% slower at 32 x 4K on an H100, its two-warp programs at 143 registers,
-#: 6 per multiprocessor (docs/benchmarks.md 3.0.0w).
+#: 6 per multiprocessor (docs/benchmarks.md 3.0.0w); planned for 6, or at one warp,
+#: within a microsecond of the launch without cursors (3.0.0x).
 ROW_CHUNK = 0
 ROW_SHARE = 25
 

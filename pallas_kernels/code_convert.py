@@ -107,3 +107,38 @@ def exact_slices(packed: jax.Array, bits: int, dtype) -> list[jax.Array]:
     mask = jnp.uint8((1 << bits) - 1)
     return [((packed >> jnp.uint8(bits * i)) & mask).astype(jnp.float32).astype(dtype)
             for i in range(n)]
+
+
+def int8_slices(packed: jax.Array, bits: int, *, interpret: bool) -> list[jax.Array]:
+    """Every code slice of ``packed`` (uint8) as int8 dot operands ``c * 2^(8 - bits) - 128``.
+
+    Slice ``i`` (the codes at bit offset ``i * bits``) is shifted to the byte's top
+    bits, masked and its sign bit flipped: an unsigned byte ``u`` with its top bit
+    flipped is the int8 ``u - 128``. One word of four bytes costs a shift (none for
+    the top slice) and one logic op per slice, against two byte permutes per two
+    codes for float16 operands, and the int8 tensor-core dot takes twice the depth
+    of a float16 one. The caller adds ``128 * sum(q)`` back and divides by
+    ``2^(8 - bits)`` (exact in int32).
+    """
+    n = 8 // bits
+    top = (0xFF << (8 - bits)) & 0xFF
+    shifts = [8 - bits * (i + 1) for i in range(n)]
+    if interpret:
+        out = []
+        for s in shifts:
+            u = (packed << jnp.uint8(s)) & jnp.uint8(top) if s else packed & jnp.uint8(top)
+            out.append(lax.bitcast_convert_type(u ^ jnp.uint8(0x80), jnp.int8))
+        return out
+    from jax.experimental.pallas import triton as plgpu
+
+    shape = jax.ShapeDtypeStruct(packed.shape, jnp.int8)
+    mask, flip = top * 0x01010101, 0x80808080
+    out = []
+    for s in shifts:
+        # Bits shifted in from the byte below land under the mask's top bits: cut.
+        src = f"shl.b32 t, $1, {s};" if s else "mov.b32 t, $1;"
+        asm = "\n".join(["{", ".reg .b32 t;", src, f"and.b32 t, t, {mask:#010x};",
+                         f"xor.b32 $0, t, {flip:#010x};", "}"])
+        out.append(plgpu.elementwise_inline_asm(asm, args=[packed], constraints="=r,r", pack=4,
+                                                result_shape_dtypes=[shape])[0])
+    return out

@@ -57,7 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
-from pallas_kernels.code_convert import MAGIC, exact_slices, magic_slices
+from pallas_kernels.code_convert import MAGIC, exact_slices, int8_slices, magic_slices
 
 NEG_INF = -1e30
 RESCALE_SLACK = 8.0  # log2 units: probabilities are kept below 2^8 between rescalings
@@ -252,6 +252,29 @@ class LaunchConfig:
     # rest is split evenly over the row's items before the launch (100: all of it
     # by the cursor).
     row_share: int = 25
+    # Quantized tiers: the key dots taken in int8 on the tensor cores, the query
+    # rounded to this many int8 digits per row (0: float16 dots). Each row has one
+    # scale (its largest magnitude to 127); digit k holds the rounding left by the
+    # digits before it, times 256^k. Every key code slice is an int8 operand as
+    # loaded (a shift and one logic op per four codes, code_convert.int8_slices): no
+    # float16 conversion of the keys, and an int8 dot takes twice a float16 dot's
+    # depth, so two digits cost as many tensor-core instructions as float16 keys.
+    # The digits' dots and the metadata identities are exact in int32. One digit
+    # rounds the query to about 2^-8 of its row's largest component (an error in
+    # the logits of the order of K8's own), two digits to about 2^-16 (below
+    # float16's 2^-11). The results match the reference given the rounded query
+    # (int8_query_rows). Tiers of key rows under 32 bytes (K2 at head dim 64) keep
+    # float16 dots. One digit is no faster on an H100, two are slower
+    # (docs/benchmarks.md 3.0.0x): off.
+    int8_query_digits: int = 0
+    # Quantized tiers: each loop step takes the next step's key dots and logits
+    # after its own softmax and value dots (the first step's before the loop), so
+    # that a step's two halves are independent of each other and the compiler can
+    # overlap them. The last step takes one page's key dots past the walk for
+    # nothing (its table index clipped to the table). The results are the same up to
+    # the float rounding of fused products. Slower on an H100 (docs/benchmarks.md
+    # 3.0.0x): off.
+    keys_ahead: bool = False
 
     def __post_init__(self):
         if self.dot_dtype not in ("float16", "float32"):
@@ -280,6 +303,15 @@ class LaunchConfig:
             raise ValueError("stack_pages and the L2 prefetches cannot be combined")
         if self.key_chunk < 0 or (self.key_chunk and self.key_chunk % 16):
             raise ValueError(f"key_chunk must be 0 or a multiple of 16, got {self.key_chunk}")
+        if self.keys_ahead and (self.l2_prefetch or self.l2_prefetch_next
+                                or self.stack_pages > 1):
+            raise ValueError("keys_ahead cannot be combined with the L2 prefetches or "
+                             "stack_pages")
+        if self.int8_query_digits not in (0, 1, 2):
+            raise ValueError(f"int8_query_digits must be 0, 1 or 2, got {self.int8_query_digits}")
+        if self.int8_query_digits and self.key_chunk % 32:
+            raise ValueError("int8 key dots take key chunks of multiples of 32 bytes (the int8 "
+                             f"dot's depth), got key_chunk={self.key_chunk}")
         if self.row_chunk < 0 or not 0 <= self.row_share <= 100:
             raise ValueError(f"row_chunk must be >= 0 and row_share in [0, 100], got "
                              f"{self.row_chunk}, {self.row_share}")
@@ -399,6 +431,15 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             rows = jnp.minimum(row_iota % Gl, q_ref.shape[2] - 1)
         q = q_ref[s_i, h_i, rows, pl.ds(start, width)]
         return (q.astype(jnp.float32) * qscale).astype(dtype)
+
+    digits = cfg.int8_query_digits
+    if digits and any(f.quantized for f in tiers):
+        # One int8 scale per query row (cfg.int8_query_digits): its largest magnitude to 127.
+        q8_scale = _int8_row_scale(q_part(0, D, jnp.float32))
+
+    def q8_part(start, width):
+        """``q_part``'s columns as int8 digits of the row scale (most significant first)."""
+        return _int8_digits(q_part(start, width, jnp.float32) / q8_scale[:, None], digits)
 
     def store_logits(s_ref, col, s):
         s = s.astype(s_ref.dtype)
@@ -646,11 +687,24 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             # Key bytes per dot (cfg.key_chunk), and per chunk the query slices its codes
             # meet: code slice i of byte column c holds dim i * kw + c.
             kc = cfg.key_chunk if 0 < cfg.key_chunk < kw and kw % cfg.key_chunk == 0 else kw
-            q_chunks = [[q_part(i * kw + c, kc, qdt) for i in range(nk)]
-                        for c in range(0, kw, kc)]
-            # Sum of the rounded query, so the 1024 offsets cancel exactly.
-            q_sum = sum(jnp.sum(x.astype(jnp.float32), axis=1)
-                        for chunk in q_chunks for x in chunk)
+            int8 = digits and kc >= 32
+            if int8:  # per chunk and slice the query's int8 digits
+                q_chunks = [[q8_part(i * kw + c, kc) for i in range(nk)]
+                            for c in range(0, kw, kc)]
+                # Sum of the digits, each weighted by 256^(its place), the last's 1.
+                q8_sum = sum(jnp.sum(x.astype(jnp.float32), axis=1)
+                             * float(256 ** (digits - 1 - k))
+                             for chunk in q_chunks for xs in chunk for k, x in enumerate(xs))
+                q8_offset = 128.0 * q8_sum  # the -128 of every operand, back
+                # the rounded query's sum; code c of a slice is the operand c 2^(8-bits) - 128
+                q_sum = q8_scale * q8_sum / float(256 ** (digits - 1))
+                q8_unit = q8_scale / float((1 << (8 - fmt.k_bits)) * 256 ** (digits - 1))
+            else:
+                q_chunks = [[q_part(i * kw + c, kc, qdt) for i in range(nk)]
+                            for c in range(0, kw, kc)]
+                # Sum of the rounded query, so the 1024 offsets cancel exactly.
+                q_sum = sum(jnp.sum(x.astype(jnp.float32), axis=1)
+                            for chunk in q_chunks for x in chunk)
         else:
             pdt = k_ref.dtype
             q_full = q_part(0, D, pdt)
@@ -662,12 +716,26 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             for c, q_slices in zip(range(0, kw, kc), q_chunks):
                 cols = slice(None) if kc == kw else pl.ds(c, kc)
                 kb = k_ref[page, pl.ds(at, cap), cols]  # [cap, kc] codes
+                if int8:  # one int32 accumulator per digit
+                    if acc is None:
+                        acc = [jnp.zeros((cap, Gp) if tr else (Gp, cap), jnp.int32)] * digits
+                    for q_digits, kp in zip(q_slices, int8_slices(kb, fmt.k_bits,
+                                                                  interpret=interpret)):
+                        for k, qs in enumerate(q_digits):
+                            a, b = (kp, qs) if tr else (qs, kp)
+                            acc[k] = backend.dot_acc(acc[k], a, b, trans_b=True)
+                    continue
                 k_parts = (magic_slices(kb, fmt.k_bits, interpret=interpret) if magic
                            else exact_slices(kb, fmt.k_bits, jnp.float32))
                 for qs, kp in zip(q_slices, k_parts):
                     a, b = (kp, qs) if tr else (qs, kp)  # [slots, Gp] or [Gp, slots]
                     acc = (backend.dot(a, b, trans_b=True) if acc is None
                            else backend.dot_acc(acc, a, b, trans_b=True))
+            if int8:  # the digits' dots in one int32 (exact: below 2^31)
+                total = acc[0]
+                for a in acc[1:]:
+                    total = total * 256 + a
+                return total
             return acc
 
         def value_dots(accs, pv, page, at):
@@ -690,6 +758,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             """The step's logits from ``q . codes`` and the keys' metadata words (one
             per slot, or one per row and slot)."""
             ks, kz = unpack_meta_f32(k_words)
+            if int8:  # q8 . (c 2^(8-b) - 128) = 2^(8-b) q8 . c - 128 sum(q8), in int32
+                dots = acc.astype(jnp.float32) + per_row(q8_offset)
+                return dots * (per_slot(ks) * per_row(q8_unit)) + per_row(q_sum) * per_slot(kz)
             if magic:  # q . (c + 1024) = q . c + 1024 sum(q)
                 kz = kz - MAGIC * ks
             return acc * per_slot(ks) + per_row(q_sum) * per_slot(kz)
@@ -721,16 +792,33 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         # never past the pool's end.
         in_pool = lambda page: jnp.minimum(page, k_ref.shape[0] - 1)  # noqa: E731
 
-        def body(j, carry):
-            if n_sub == 1:
-                page, at = in_pool(page_id(j)), 0
-            else:
-                page, at = in_pool(page_id(j // n_sub)), (j % n_sub) * cap
-            valid = j * cap + col_iota < n_tok
+        # cfg.keys_ahead: a step's key dots are taken in the step before (so they are
+        # independent of that step's softmax and value dots), and past the walk's
+        # last step for nothing: their table indices are then clipped to the table.
+        look_ahead = cfg.keys_ahead and fmt.quantized and stack == 1
+        table_width = pages_ref.shape[-1]
+
+        def table_index(index):
+            return jnp.clip(index, 0, table_width - 1) if look_ahead else index
+
+        def body_keys(j):
+            """Step ``j``'s logits and page."""
+            page = in_pool(page_id(table_index(j if n_sub == 1 else j // n_sub)))
+            at = 0 if n_sub == 1 else (j % n_sub) * cap
             if fmt.quantized:
                 s = logits(key_dot(page, at), km_ref[page, pl.ds(at, cap)])
             else:
                 s = backend.dot(q_full, k_ref[page].astype(pdt), trans_b=True)
+            return s, page
+
+        def body(j, carry):
+            s, page = body_keys(j)
+            return body_values(j, s, page, carry)
+
+        def body_values(j, s, page, carry):
+            """Step ``j``'s softmax and value dots, from its logits ``s``."""
+            at = 0 if n_sub == 1 else (j % n_sub) * cap
+            valid = j * cap + col_iota < n_tok
             live = per_slot(valid)
             if n_lanes > 1:  # a tier of longer pages: lane 0's rows alone walk them
                 live = live & per_row(lane_of_row == 0)
@@ -773,62 +861,67 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 accs = value_dots(accs, pv, page, 0)
             return accs, m, l, r, z
 
-        def lane_body(j, carry):
-            """One step over ``n_lanes`` parts: lane r takes part u0 + j * n_lanes + r of
-            the tier (parts of ``cap`` slots, ``n_sub`` per page, from the item's first
+        lane_col = per_row(lane_of_row)
+        # A lane's part of its page starts here (split pages: a part per lane).
+        lane_at = [r * cap for r in range(n_lanes)] if n_sub > 1 else [0] * n_lanes
+
+        def lane_pages(j):
+            """Step ``j``'s page per lane: lane r takes part u0 + j * n_lanes + r of the
+            tier (parts of ``cap`` slots, ``n_sub`` per page, from the item's first
             page's): page first + j * n_lanes + r, or with split pages part r of page
             first + j."""
-            base = first * n_sub + j * n_lanes  # the step's first part
-            last_part = last * n_sub
             if n_sub > 1:  # one page, a part per lane at a static offset
-                page = in_pool(page_id(first + j))
-                lane_page, lane_at = [page] * n_lanes, [r * cap for r in range(n_lanes)]
-            else:
-                lane_page = [in_pool(page_id(jnp.minimum(base + r, last - 1)))
-                             for r in range(n_lanes)]
-                lane_at = [0] * n_lanes
-            lane_col = per_row(lane_of_row)
-            tok = per_row(base + lane_of_row) * cap + per_slot(col_iota)  # tier token index
-            valid = tok < jnp.minimum(n_tok, last * fmt.slots)
+                return (in_pool(page_id(table_index(first + j))),) * n_lanes
+            base = first * n_sub + j * n_lanes  # the step's first part
+            return tuple(in_pool(page_id(table_index(jnp.minimum(base + r, last - 1))))
+                         for r in range(n_lanes))
+
+        def lane_words(ref, lane_page, shape):
+            """Each row's metadata words of ``ref``, from its lane's part."""
+            if cfg.lane_meta_select:  # each lane's words once, chosen by column
+                tile = None
+                for r in range(n_lanes):
+                    part = per_slot(ref[lane_page[r], pl.ds(lane_at[r], cap)])
+                    tile = (jnp.broadcast_to(part, shape) if tile is None
+                            else jnp.where(lane_col == r, part, tile))
+                return tile
+            if n_sub > 1:
+                page_row = jnp.full((Gp,), lane_page[0])
+                cols = per_row(lane_of_row * cap) + per_slot(col_iota)
+                return ref[jnp.broadcast_to(per_row(page_row), cols.shape), cols]
+            page_row = lane_page[0]
+            for r in range(1, n_lanes):
+                page_row = jnp.where(lane_of_row == r, lane_page[r], page_row)
+            if tr:
+                return ref[page_row[None, :], col_iota[:, None]]
+            return ref[page_row, pl.ds(0, cap)]
+
+        def lane_keys(j):
+            """Step ``j``'s logits (each lane's rows over its own part) and pages."""
+            lane_page = lane_pages(j)
             acc = None
             for r in range(n_lanes):  # lane r's rows take the dot with its own part
                 d = key_dot(lane_page[r], lane_at[r])
                 acc = d if acc is None else jnp.where(lane_col == r, d, acc)
-            # Each row's metadata words, gathered from its lane's part.
-            if cfg.lane_meta_select:  # words() loads each lane's part once instead
-                page_row = at_row = None
-            elif n_sub > 1:
-                page_row = jnp.full((Gp,), lane_page[0])
-                at_row = lane_of_row * cap
-            else:
-                page_row = lane_page[0]
-                for r in range(1, n_lanes):
-                    page_row = jnp.where(lane_of_row == r, lane_page[r], page_row)
-                at_row = None
+            return logits(acc, lane_words(km_ref, lane_page, acc.shape)), lane_page
 
-            def words(ref):  # each row's metadata words, from its lane's part
-                if cfg.lane_meta_select:  # each lane's words once, chosen by column
-                    tile = None
-                    for r in range(n_lanes):
-                        part = per_slot(ref[lane_page[r], pl.ds(lane_at[r], cap)])
-                        tile = (jnp.broadcast_to(part, acc.shape) if tile is None
-                                else jnp.where(lane_col == r, part, tile))
-                    return tile
-                if at_row is not None:
-                    cols = per_row(at_row) + per_slot(col_iota)
-                    return ref[jnp.broadcast_to(per_row(page_row), cols.shape), cols]
-                if tr:
-                    return ref[page_row[None, :], col_iota[:, None]]
-                return ref[page_row, pl.ds(0, cap)]
+        def lane_body(j, carry):
+            s, lane_page = lane_keys(j)
+            return lane_values(j, s, lane_page, carry)
 
-            s = logits(acc, words(km_ref))
+        def lane_values(j, s, lane_page, carry):
+            """Step ``j``'s softmax and value dots, from its logits ``s``."""
+            base = first * n_sub + j * n_lanes  # the step's first part
+            last_part = last * n_sub
+            tok = per_row(base + lane_of_row) * cap + per_slot(col_iota)  # tier token index
+            valid = tok < jnp.minimum(n_tok, last * fmt.slots)
             lanes = [(base + r < last_part, jnp.minimum(base + r, last_part - 1) * cap)
                      for r in range(n_lanes)]
             p, (accs, m, l, r_acc, z) = softmax(
                 s, valid, lambda s: store_lane_logits(s_ref, s, tok,
                                                       base + lane_of_row < last_part,
                                                       lanes), carry)
-            pv, r_acc, z = value_weights(p, words(vm_ref), r_acc, z)
+            pv, r_acc, z = value_weights(p, lane_words(vm_ref, lane_page, s.shape), r_acc, z)
             for r in range(n_lanes):  # the value dots of lane r's rows alone
                 accs = value_dots(accs, jnp.where(lane_col == r, pv, jnp.zeros_like(pv)),
                                   lane_page[r], lane_at[r])
@@ -847,6 +940,15 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         else:
             lo, hi, loop_body = first * n_sub, last * n_sub, body
             targets = lambda j: [j + cfg.l2_prefetch]  # noqa: E731
+        if look_ahead:
+            keys, values = (lane_keys, lane_values) if laned else (body_keys, body_values)
+
+            def ahead_body(j, state):
+                carry, s, pages = state
+                return (values(j, s, pages, carry),) + keys(j + 1)
+
+            state = (carry,) + keys(lo)
+            return lax.fori_loop(lo, hi, ahead_body, state)[0], next_offset
         if not (cfg.l2_prefetch or cfg.l2_prefetch_next) or n_sub > 1:
             return lax.fori_loop(lo, hi, loop_body, carry), next_offset
         if not cfg.l2_prefetch:  # cfg.l2_prefetch_next alone
@@ -977,6 +1079,38 @@ TRACE_POINTS = ("start", "loop", "loop_end", "end")
 #: 32 bits (compare by differences modulo 2^32), then the multiprocessor that ran it.
 TRACE_COLUMNS = (tuple(f"{p}_ns" for p in TRACE_POINTS)
                  + tuple(f"{p}_cycles" for p in TRACE_POINTS) + ("sm",))
+
+
+def _int8_row_scale(qf: jax.Array) -> jax.Array:
+    """Per row of ``qf`` ([rows, D] float32) the int8 step: its largest magnitude / 127."""
+    return jnp.maximum(jnp.max(jnp.abs(qf), axis=1), 1e-30) / 127.0
+
+
+def _int8_digits(x: jax.Array, digits: int) -> list[jax.Array]:
+    """``x`` (within [-127, 127]) as ``digits`` int8 digits, each rounded half up:
+    ``x ~ sum_k d_k 256^-k`` (a digit after the first holds the rounding left, at
+    most 128 steps of its place, clipped to 127)."""
+    out = []
+    for _ in range(digits):
+        d = jnp.clip(jnp.floor(x + 0.5), -127.0, 127.0)
+        out.append(d.astype(jnp.int8))
+        x = (x - d) * 256.0
+    return out
+
+
+def int8_query_rows(q: jax.Array, digits: int = 1) -> jax.Array:
+    """``q`` ([..., D]) as a launch with ``LaunchConfig.int8_query_digits = digits``
+    takes it: each row rounded to that many int8 digits of its largest magnitude /
+    127, in float32. The kernel rounds the row in its log2 logit units (times
+    log2(e) / sqrt(D)), which scales the steps along, so the reference given these
+    rows is the launch's."""
+    D = q.shape[-1]
+    qscale = LOG2E / math.sqrt(D)
+    rows = q.astype(jnp.float32).reshape(-1, D) * qscale
+    scale = _int8_row_scale(rows)
+    parts = _int8_digits(rows / scale[:, None], digits)
+    value = sum(d.astype(jnp.float32) / 256.0 ** k for k, d in enumerate(parts))
+    return (value * scale[:, None] / qscale).reshape(q.shape)
 
 
 def _stamp(trace_ref, item, dep, columns):

@@ -61,7 +61,10 @@ metadata loaded once and chosen per column (``LaunchConfig.lane_meta_select``),
 ``pl`` the page lanes (``LaunchConfig.page_lanes``; fewer hold fewer registers),
 ``pr`` the query rows of the kernel's tiles (``padded_rows``: with token tiles 16
 instead of 8 gives a group of 4 four page lanes with ``pl=4``), ``kc`` the key
-bytes per dot (``LaunchConfig.key_chunk``);
+bytes per dot (``LaunchConfig.key_chunk``), ``i8`` the key dots in int8 with
+the query in that many int8 digits (``LaunchConfig.int8_query_digits``; the error
+column then includes the query's rounding), ``ka=1`` each step's key dots taken
+in the step before (``LaunchConfig.keys_ahead``);
 labelled
 ``<variant>/tokens[setting]``.
 
@@ -206,11 +209,15 @@ def main() -> int:
                 out["row_chunk"] = int(val)
             elif k == "rs" and val.isdigit() and int(val) <= 100:
                 out["row_share"] = int(val)
+            elif k == "i8" and val in ("0", "1", "2"):
+                out["int8_query_digits"] = int(val)
+            elif k == "ka" and val in ("0", "1"):
+                out["keys_ahead"] = val == "1"
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
                                  "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), gp=N, "
                                  "vp=0|1, sp=0|1, ms=0|1, pl=1|2|4, pr=8|16, kc=16n, pf=N, pn=N, "
-                                 "sx=1|2|4, rc=N, rs=P)")
+                                 "sx=1|2|4, rc=N, rs=P, i8=0|1|2, ka=0|1)")
         return out
 
     def run_variant(v, model, S, N, q, qg, kq, key, index, tiles="queries", setting=""):
@@ -253,7 +260,9 @@ def main() -> int:
                                                                 "l2_prefetch",
                                                                 "l2_prefetch_next",
                                                                 "stack_pages", "row_chunk",
-                                                                "row_share")
+                                                                "row_share",
+                                                                "int8_query_digits",
+                                                                "keys_ahead")
                                           if k in tune})
         tile_rows = tune.get("padded_rows") or pdk.tile_rows(G, transposed)
         n_items = tune.get("items") or work_items(S, H)

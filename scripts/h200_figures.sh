@@ -19,6 +19,7 @@
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
 #   bash scripts/h200_figures.sh gap          # the item across a row's tier boundary holding fewer units, B = 32
 #   bash scripts/h200_figures.sh chunks       # a row's rest taken in chunks from its cursor as the launch runs (row_chunk), B = 32
+#   bash scripts/h200_figures.sh keys         # int8 key dots (one / two query digits), key dots a step ahead, B = 32
 #   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
 #   bash scripts/h200_figures.sh codes-engine # the engine's GPU tests with values in place and the lanes' metadata once off
 #   bash scripts/h200_figures.sh registers    # two warps per program; ptxas register caps (XLA_FLAGS) for 12 / 14 programs per multiprocessor
@@ -161,6 +162,13 @@ case "${1:-}" in
       "$OUT/bench_attention_row_chunks_b32.json"
     python scripts/program_timeline.py --repeats 3 --settings "m=last;m=last,rc=4" \
       --json "$OUT/timeline_row_chunks_mix_32x4k.json" ;;
+  keys)
+    # the key dots in int8, the query in one or two int8 digits (i8), and each step's
+    # key dots taken in the step before (ka), with one and two warps; the compiled
+    # checks first (on an H100 neither was faster, docs/benchmarks.md 3.0.0x)
+    python -m pytest -q -m gpu tests/test_int8_keys.py tests/test_keys_ahead.py
+    tune_32x4k "m=last;m=last,nw=1;m=last,i8=1;m=last,nw=1,i8=1;m=last,i8=2;m=last,ka=1;m=last,nw=1,ka=1" \
+      "$OUT/bench_attention_keys_b32.json" ;;
   codes)
     # the value codes' slices left at their bit offsets (vp), each lane's metadata
     # loaded once (ms) and K4V2's 64-slot pages walked a page per step, half a page per
@@ -223,6 +231,6 @@ EOF
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|balance|weights|weights-b128|gap|chunks|codes|codes-engine|registers|smollm2|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|balance|weights|weights-b128|gap|chunks|keys|codes|codes-engine|registers|smollm2|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac

@@ -12,6 +12,8 @@ instructions of each tier's page loop per token, keeping TTGIR / PTX / cubin:
         --transposed 1 --merged 0,1                  # the launch that merges its rows too
     python scripts/kernel_resources.py --tiers 8-4-32+4-2-64 --warps 1 --lanes 2 \
         --transposed 1 --early 0,1                   # LaunchConfig.early_row_loads
+    python scripts/kernel_resources.py --tiers 8-4-32+4-2-64 --warps 2 --lanes 2 \
+        --transposed 1 --in-place 1 --meta-select 1 --int8 0,1,2   # int8 key dots
 
 The ``triton`` package's compiler is close to, not the same as, the one inside
 XLA, so treat the numbers as a guide. Occupancy follows from 65,536 registers
@@ -176,6 +178,12 @@ def main() -> int:
     p.add_argument("--key-chunk", default="0",
                    help="LaunchConfig.key_chunk values (key bytes per dot; 0: the whole "
                         "row, labelled K<n> otherwise)")
+    p.add_argument("--int8", default="0",
+                   help="LaunchConfig.int8_query_digits values (the key dots in int8, the "
+                        "query in this many int8 digits; 0: float16 dots, labelled I<n>)")
+    p.add_argument("--ahead", default="0",
+                   help="LaunchConfig.keys_ahead values (1: each step takes the next step's "
+                        "key dots after its own value dots, labelled A)")
     p.add_argument("--prefetch", default="0",
                    help="LaunchConfig.l2_prefetch values (pages ahead asked of the L2 "
                         "cache; 0: none, labelled P<n> otherwise)")
@@ -221,16 +229,17 @@ def main() -> int:
     D, G = args.head_dim, args.group
     print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
           f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
-    for (spec, warps, stages, sub, lanes, kchunk, ahead, stack, trans, merged, early, split,
-         vip, msel) in itertools.product(
+    for (spec, warps, stages, sub, lanes, kchunk, ahead, stack, int8, trans, merged, early,
+         split, vip, msel, keys_ahead) in itertools.product(
             args.tiers.split(","), [int(x) for x in args.warps.split(",")],
             [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")],
             [int(x) for x in args.lanes.split(",")],
             [int(x) for x in args.key_chunk.split(",")],
             [int(x) for x in args.prefetch.split(",")],
             [int(x) for x in args.stack.split(",")],
+            [int(x) for x in args.int8.split(",")],
             *(flags(text) for text in (args.transposed, args.merged, args.early, args.split,
-                                       args.in_place, args.meta_select))):
+                                       args.in_place, args.meta_select, args.ahead))):
         tiers, caps = [], []
         for part in spec.split("+"):
             kb, vb, cap = (int(x) for x in part.split("-"))
@@ -251,7 +260,8 @@ def main() -> int:
                                split_pages=split, values_in_place=vip,
                                lane_meta_select=msel, key_chunk=kchunk, l2_prefetch=ahead,
                                l2_prefetch_next=0 if ahead else args.prefetch_next,
-                               stack_pages=stack, row_chunk=args.row_chunk)
+                               stack_pages=stack, row_chunk=args.row_chunk,
+                               int8_query_digits=int8, keys_ahead=keys_ahead)
         rows = args.rows or pdk.tile_rows(G, trans)
         n_lanes = cfg.lanes(rows, G)
         # stacked pages: the quantized tiers walked a whole page per step by one lane
@@ -283,7 +293,8 @@ def main() -> int:
                 + (f"_pf{ahead}" if ahead else "")
                 + (f"_pn{cfg.l2_prefetch_next}" if cfg.l2_prefetch_next else "")
                 + (f"_x{stack}" if stack > 1 else "")
-                + (f"_rc{args.row_chunk}" if args.row_chunk else ""))
+                + (f"_rc{args.row_chunk}" if args.row_chunk else "")
+                + (f"_i8x{int8}" if int8 else "") + ("_ahead" if keys_ahead else ""))
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
             fh.write(strip_locations(triton_ir(fn, q)))
@@ -293,7 +304,8 @@ def main() -> int:
                  + (" L" if msel else "") + (f" K{kchunk}" if kchunk else "")
                  + (f" P{ahead}" if ahead else "")
                  + (f" N{cfg.l2_prefetch_next}" if cfg.l2_prefetch_next else "")
-                 + (f" X{stack}" if stack > 1 else ""))
+                 + (f" X{stack}" if stack > 1 else "") + (f" I{int8}" if int8 else "")
+                 + (" A" if keys_ahead else ""))
         line = f"{label:24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")

@@ -72,7 +72,8 @@ def test_attention_benchmark_times_launch_settings(tmp_path):
     run_script("bench_attention.py", "--models", "llama3-8b", "--batches", "2",
                "--contexts", "512", "--variants", "diffkv-50/50", "--kernel-tiles", "tokens",
                "--tune", "w=1-2;ls=64,w=1-3;n=40;wave=12;lg=32;m=last;m=last,el=1;"
-               "m=last,pl=4,pr=16;m=last,kc=32;m=last,w=8-15,gp=12;m=last,rc=2;rc=3,rs=60",
+               "m=last,pl=4,pr=16;m=last,kc=32;m=last,w=8-15,gp=12;m=last,rc=2;rc=3,rs=60;"
+               "m=last,i8=2;m=last,ka=1",
                "--chain", "2",
                "--copy-gib", "0.05",
                "--json", str(out))
@@ -84,7 +85,8 @@ def test_attention_benchmark_times_launch_settings(tmp_path):
         "diffkv-50/50/tokens[m=last]", "diffkv-50/50/tokens[m=last,el=1]",
         "diffkv-50/50/tokens[m=last,pl=4,pr=16]", "diffkv-50/50/tokens[m=last,kc=32]",
         "diffkv-50/50/tokens[m=last,w=8-15,gp=12]", "diffkv-50/50/tokens[m=last,rc=2]",
-        "diffkv-50/50/tokens[rc=3,rs=60]"]
+        "diffkv-50/50/tokens[rc=3,rs=60]", "diffkv-50/50/tokens[m=last,i8=2]",
+        "diffkv-50/50/tokens[m=last,ka=1]"]
     for r in rows:  # every setting checked against the plain-jnp reference
         assert r["rel_err"] < 5e-3 and r["ms"] > 0
 

@@ -75,7 +75,7 @@ def random_partials(tier_set, cfg, G=4, D=128, pad=8, seed=0):
 def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True, pad=None,
                  seed=0, work_items=None, sub_slots=0, page_lanes=1, rows_in_kernel=False,
                  transposed=False, tier_weights=(), lane_slots=32, logits_dtype=None,
-                 min_pages=2, snap=0.0, gap=0, **launch):
+                 min_pages=2, snap=0.0, gap=0, ref_query=None, **launch):
     """``logits_dtype``: the stored logits' type (None: that of the dots, so the
     float32 checks compare float32 logits). ``work_items``: launch over
     :func:`pdk.plan_work` items (rows 1 and 4 inactive) instead of ``splits`` even
@@ -84,7 +84,8 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
     ``tier_weights``: work units per page of each tier, in the plan and the launch;
     ``min_pages``: the plan's least units per item; ``snap``: the plan's cuts moved
     onto the rows' tier boundaries within that share of an item; ``gap``: units the
-    item across a row's tier boundary holds fewer (``plan_work(gap=)``); ``launch``: more
+    item across a row's tier boundary holds fewer (``plan_work(gap=)``); ``ref_query``:
+    the query the reference takes, from the launch's (None: the same); ``launch``: more
     :class:`pdk.LaunchConfig` fields."""
     rng = np.random.default_rng(seed)
     S, H, P, NP = (3, 2, 24, 3) if work_items is None else (5, 2, 40, 5)
@@ -111,7 +112,8 @@ def check_kernel(tier_set, D, G, splits, *, interpret, dot_dtype, tol, lazy=True
     o, m, l, logits = pdk.paged_decode_partials(qk, tiers, group=G, cfg=cfg, work=work,
                                                 interpret=interpret, padded_rows=padded_rows)
     assert o.shape[-2] == G and m.shape[-1] == G and l.shape[-1] == G
-    ref = [pdk.tier_attention_reference(q, kh, vh, nt) for kh, vh, nt in refs]
+    q_ref = q if ref_query is None else ref_query(q)
+    ref = [pdk.tier_attention_reference(q_ref, kh, vh, nt) for kh, vh, nt in refs]
     # An extra always-present source (like the token being decoded) keeps rows defined.
     extra = (jnp.asarray(rng.normal(size=(S, H, G, D)), jnp.float32),
              jnp.asarray(rng.normal(size=(S, H, G)), jnp.float32), jnp.ones((S, H, G)))
