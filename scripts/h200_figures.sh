@@ -19,6 +19,7 @@
 #   bash scripts/h200_figures.sh weights-b128 # the same at B = 128
 #   bash scripts/h200_figures.sh gap          # the item across a row's tier boundary holding fewer units, B = 32
 #   bash scripts/h200_figures.sh chunks       # a row's rest taken in chunks from its cursor as the launch runs (row_chunk), B = 32
+#   bash scripts/h200_figures.sh open         # the settings the H200 has not timed yet, in one call, B = 32
 #   bash scripts/h200_figures.sh keys         # int8 key dots (one / two query digits), key dots a step ahead, B = 32
 #   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
 #   bash scripts/h200_figures.sh codes-engine # the engine's GPU tests with values in place and the lanes' metadata once off
@@ -162,6 +163,12 @@ case "${1:-}" in
       "$OUT/bench_attention_row_chunks_b32.json"
     python scripts/program_timeline.py --repeats 3 --settings "m=last;m=last,rc=4" \
       --json "$OUT/timeline_row_chunks_mix_32x4k.json" ;;
+  open)
+    # what is still open for the realistic mix at 32 x 4K on the H200, in one call:
+    # the caches' two-warp launch against one warp (3.0.0t), row cursors at one warp
+    # and at two planned for 6 programs per multiprocessor (3.0.0x), one int8 digit
+    tune_32x4k "m=last;m=last,nw=1;m=last,nw=1,rc=8;m=last,rc=8,wave=792;m=last,i8=1" \
+      "$OUT/bench_attention_open_b32.json" ;;
   keys)
     # the key dots in int8, the query in one or two int8 digits (i8), and each step's
     # key dots taken in the step before (ka), with one and two warps; the compiled
@@ -231,6 +238,6 @@ EOF
   allocation)
     python scripts/bench_page_allocation.py --json "$OUT/page_allocation.json" ;;
   *)
-    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|balance|weights|weights-b128|gap|chunks|keys|codes|codes-engine|registers|smollm2|ragged|parts|policy|scoring|allocation" >&2
+    echo "usage: $0 tests|breakdown|diffkv|full|compare|attention|merged|merged-step|early|early-step|timeline|timeline-shapes|balance|weights|weights-b128|gap|chunks|open|keys|codes|codes-engine|registers|smollm2|ragged|parts|policy|scoring|allocation" >&2
     exit 2 ;;
 esac
