@@ -166,8 +166,10 @@ case "${1:-}" in
   open)
     # what is still open for the realistic mix at 32 x 4K on the H200, in one call:
     # the caches' two-warp launch against one warp (3.0.0t), row cursors at one warp
-    # and at two planned for 6 programs per multiprocessor (3.0.0x), one int8 digit
-    tune_32x4k "m=last;m=last,nw=1;m=last,nw=1,rc=8;m=last,rc=8,wave=792;m=last,i8=1" \
+    # and at two planned for 6 programs per multiprocessor (3.0.0x), one int8 digit,
+    # and two buffers of each page operand (5 pipeline stages: 28,184 bytes of shared
+    # memory, 7 programs per multiprocessor, so items for 7 x 132 = 924)
+    tune_32x4k "m=last;m=last,nw=1;m=last,nw=1,rc=8;m=last,rc=8,wave=792;m=last,i8=1;m=last,st=5,wave=924;m=last,nw=1,st=5,wave=924" \
       "$OUT/bench_attention_open_b32.json" ;;
   keys)
     # the key dots in int8, the query in one or two int8 digits (i8), and each step's

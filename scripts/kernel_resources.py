@@ -16,8 +16,8 @@ instructions of each tier's page loop per token, keeping TTGIR / PTX / cubin:
         --transposed 1 --in-place 1 --meta-select 1 --int8 0,1,2   # int8 key dots
 
 The ``triton`` package's compiler is close to, not the same as, the one inside
-XLA, so treat the numbers as a guide. Occupancy follows from 65,536 registers
-and 228 KiB of shared memory per H200 multiprocessor.
+XLA, so treat the numbers as a guide. Occupancy follows from the registers
+and shared memory of a Hopper multiprocessor (:func:`resident_programs`).
 """
 
 import argparse
@@ -102,6 +102,21 @@ def compile_sass(triton, ir_path: str, out_dir: str, name: str, warps: int, stag
                             "nvdisasm")
     sass = subprocess.run([nvdisasm, "-c", cubin], capture_output=True, text=True).stdout
     return regs, spills, k.metadata.shared, sass
+
+
+def resident_programs(regs: int, warps: int, smem: int) -> int:
+    """Programs of ``warps`` warps that fit one Hopper multiprocessor at once.
+
+    Its registers are four files of 16,384, one per warp scheduler, and a warp's
+    registers come from one file, in units of 8 a thread: a one-warp program at
+    200 registers leaves room for two per file (8 per multiprocessor), at 168 for
+    three (12), as the launch records on the device show. Shared memory: 228 KiB,
+    1 KiB of it reserved per program. At most 64 warps and 32 programs.
+    """
+    per_warp = -(-max(regs, 1) // 8) * 8 * 32
+    by_regs = 4 * (16384 // per_warp) // warps
+    by_smem = 233472 // (smem + 1024)
+    return min(by_regs, by_smem, 64 // warps, 32)
 
 
 def loop_bodies(sass: str, innermost: bool = False) -> list[list[str]]:
@@ -317,7 +332,7 @@ def main() -> int:
             continue
         bodies = loop_bodies(sass, innermost=True)
         per_token = [f"{len(b) * warps / c:.1f}" for b, c in zip(bodies, caps)]
-        blocks = min(65536 // max(1, regs * 32 * warps), 232448 // max(1, smem + 1024), 32)
+        blocks = resident_programs(regs, warps, smem)
         print(line + f" {regs:5d} {spills:7d} {smem:7d} {blocks:9d}  {', '.join(per_token)}",
               flush=True)
         for body, cap in zip(bodies, caps) if args.opcodes else ():

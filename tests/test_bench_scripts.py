@@ -272,3 +272,20 @@ def test_float16_dot_serving_holds_the_compiled_tolerance(tmp_path):
     for r in rows:
         assert r["same_tokens"] and r["max_err_over_allowed"] < 1 and r["over"] == 0
         assert 0 < r["max_abs_err"] < 5e-3 and r["scores"] > 1000
+
+
+def test_kernel_resources_counts_programs_as_the_device_launches_them():
+    # The launch records XLA compiled on the device (docs/benchmarks.md 3.0.0m, 3.0.0w,
+    # 3.0.0x): one warp at 196 - 201 registers 12.5% occupancy (8 programs), two warps
+    # at 128 25% (8), at 143 18.75% (6); shared memory past 28,160 bytes a program
+    # leaves room for 7.
+    from scripts.kernel_resources import resident_programs
+
+    assert resident_programs(196, 1, 15380) == 8
+    assert resident_programs(201, 1, 15380) == 8
+    assert resident_programs(168, 1, 15380) == 12
+    assert resident_programs(128, 2, 15380) == 8
+    assert resident_programs(143, 2, 15380) == 6
+    assert resident_programs(128, 2, 28160) == 8
+    assert resident_programs(128, 2, 28184) == 7
+    assert resident_programs(32, 1, 0) == 32
