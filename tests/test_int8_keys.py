@@ -15,19 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffkv_jax import quantization as qz
 from pallas_kernels import code_convert
 from pallas_kernels import paged_decode as pdk
 
-from tests.test_paged_decode_kernel import TIER_SETS, check_kernel, make_tier
+from tests.test_paged_decode_kernel import (TIER_SETS, check_kernel, lowering_tiers, make_tier,
+                                            random_packed_codes)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_int8_slices_are_codes_at_the_top_bits_minus_128(bits):
-    rng = np.random.default_rng(bits)
-    packed = jnp.asarray(rng.integers(0, 256, size=(5, 12)), jnp.uint8)
-    codes = np.asarray(qz.unpack(packed, bits, 12 * 8 // bits).reshape(5, 8 // bits, 12),
-                       np.int32)
+    packed, codes = random_packed_codes(bits)
     got = code_convert.int8_slices(packed, bits, interpret=True)
     assert len(got) == 8 // bits
     for i, g in enumerate(got):
@@ -116,13 +113,7 @@ def test_int8_key_dots_lower_to_int8_dots_for_cuda(digits):
     from scripts.kernel_resources import triton_ir
 
     D, G = 128, 4
-    fmt_hi, fmt_lo = pdk.TierFormat(8, 4, D, 32), pdk.TierFormat(4, 2, D, 64)
-    tiers = []
-    for fmt in (fmt_hi, fmt_lo):
-        kv, vv = pdk.page_views(jnp.zeros((8, fmt.data_bytes), jnp.uint8), fmt)
-        meta = (jnp.zeros((8, 64), jnp.uint32),) * 2
-        tiers.append(pdk.TierInput(fmt, kv, vv, meta, jnp.zeros((1, 1, 2), jnp.int32),
-                                   jnp.zeros((1, 1), jnp.int32)))
+    tiers = lowering_tiers(D)  # K8V4 and K4V2
     cfg = pdk.LaunchConfig(transposed=True, page_lanes=2, values_in_place=True,
                            lane_meta_select=True, num_warps=2, int8_query_digits=digits)
     q = jnp.zeros((1, 1, G, D), jnp.bfloat16)

@@ -591,11 +591,19 @@ def test_token_tiles_leave_16bit_launches_alone():
         pdk.LaunchConfig(transposed=True, sub_slots=16)
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
-def test_magic_slices_are_codes_plus_1024(bits):
+def random_packed_codes(bits: int):
+    """Random bytes ``[5, 12]`` of ``bits``-bit codes and the codes of each slice:
+    ``codes[:, i]`` (int32) are those at bit offset ``i * bits`` of every byte."""
     rng = np.random.default_rng(bits)
     packed = jnp.asarray(rng.integers(0, 256, size=(5, 12)), jnp.uint8)
-    codes = qz.unpack(packed, bits, 12 * 8 // bits).reshape(5, 8 // bits, 12)
+    codes = np.asarray(qz.unpack(packed, bits, 12 * 8 // bits).reshape(5, 8 // bits, 12),
+                       np.int32)
+    return packed, codes
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_magic_slices_are_codes_plus_1024(bits):
+    packed, codes = random_packed_codes(bits)
     got = code_convert.magic_slices(packed, bits, interpret=True)
     for i, g in enumerate(got):
         assert g.dtype == jnp.float16

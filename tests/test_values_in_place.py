@@ -11,19 +11,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from diffkv_jax import quantization as qz
 from pallas_kernels import code_convert
 from pallas_kernels import paged_decode as pdk
 
-from tests.test_paged_decode_kernel import TIER_SETS, check_kernel, random_partials
+from tests.test_paged_decode_kernel import (TIER_SETS, check_kernel, random_packed_codes,
+                                            random_partials)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 2])
 def test_slices_in_place_are_codes_at_their_offsets_plus_1024(bits):
-    rng = np.random.default_rng(bits)
-    packed = jnp.asarray(rng.integers(0, 256, size=(5, 12)), jnp.uint8)
-    codes = np.asarray(qz.unpack(packed, bits, 12 * 8 // bits).reshape(5, 8 // bits, 12),
-                       np.float32)
+    packed, codes = random_packed_codes(bits)
+    codes = codes.astype(np.float32)
     got = code_convert.magic_slices(packed, bits, interpret=True, in_place=True)
     assert len(got) == 8 // bits
     for i, g in enumerate(got):
