@@ -275,10 +275,6 @@ class LaunchConfig:
     # the float rounding of fused products. Slower on an H100 (docs/benchmarks.md
     # 3.0.0x): off.
     keys_ahead: bool = False
-    # Quantized tiers: each loop step reads the next step's page IDs from the table
-    # (the first step's before the loop) and carries them in registers, so that the
-    # pipeliner need not stage the table reads through shared memory.
-    carried_page_ids: bool = False
 
     def __post_init__(self):
         if self.dot_dtype not in ("float16", "float32"):
@@ -311,10 +307,6 @@ class LaunchConfig:
                                 or self.stack_pages > 1):
             raise ValueError("keys_ahead cannot be combined with the L2 prefetches or "
                              "stack_pages")
-        if self.carried_page_ids and (self.keys_ahead or self.l2_prefetch
-                                      or self.l2_prefetch_next or self.stack_pages > 1):
-            raise ValueError("carried_page_ids cannot be combined with keys_ahead, the L2 "
-                             "prefetches or stack_pages")
         if self.int8_query_digits not in (0, 1, 2):
             raise ValueError(f"int8_query_digits must be 0, 1 or 2, got {self.int8_query_digits}")
         if self.int8_query_digits and self.key_chunk % 32:
@@ -802,19 +794,15 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
         # cfg.keys_ahead: a step's key dots are taken in the step before (so they are
         # independent of that step's softmax and value dots), and past the walk's
         # last step for nothing: their table indices are then clipped to the table.
-        look_ahead = ((cfg.keys_ahead or cfg.carried_page_ids) and fmt.quantized
-                      and stack == 1)
+        look_ahead = cfg.keys_ahead and fmt.quantized and stack == 1
         table_width = pages_ref.shape[-1]
 
         def table_index(index):
             return jnp.clip(index, 0, table_width - 1) if look_ahead else index
 
-        def body_page(j):
-            return in_pool(page_id(table_index(j if n_sub == 1 else j // n_sub)))
-
-        def body_keys(j, page=None):
-            """Step ``j``'s logits and page (``page``: its ID, if read already)."""
-            page = body_page(j) if page is None else page
+        def body_keys(j):
+            """Step ``j``'s logits and page."""
+            page = in_pool(page_id(table_index(j if n_sub == 1 else j // n_sub)))
             at = 0 if n_sub == 1 else (j % n_sub) * cap
             if fmt.quantized:
                 s = logits(key_dot(page, at), km_ref[page, pl.ds(at, cap)])
@@ -907,10 +895,9 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
                 return ref[page_row[None, :], col_iota[:, None]]
             return ref[page_row, pl.ds(0, cap)]
 
-        def lane_keys(j, lane_page=None):
-            """Step ``j``'s logits (each lane's rows over its own part) and pages
-            (``lane_page``: their IDs, if read already)."""
-            lane_page = lane_pages(j) if lane_page is None else lane_page
+        def lane_keys(j):
+            """Step ``j``'s logits (each lane's rows over its own part) and pages."""
+            lane_page = lane_pages(j)
             acc = None
             for r in range(n_lanes):  # lane r's rows take the dot with its own part
                 d = key_dot(lane_page[r], lane_at[r])
@@ -961,17 +948,6 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
 
             state = (carry,) + keys(lo)
             return lax.fori_loop(lo, hi, ahead_body, state)[0], next_offset
-        if cfg.carried_page_ids and fmt.quantized and stack == 1:
-            pages_of, keys, values = ((lane_pages, lane_keys, lane_values) if laned
-                                      else (body_page, body_keys, body_values))
-
-            def carried_body(j, state):
-                carry, pages = state
-                s, _ = keys(j, pages)
-                return values(j, s, pages, carry), pages_of(j + 1)
-
-            state = (carry, pages_of(lo))
-            return lax.fori_loop(lo, hi, carried_body, state)[0], next_offset
         if not (cfg.l2_prefetch or cfg.l2_prefetch_next) or n_sub > 1:
             return lax.fori_loop(lo, hi, loop_body, carry), next_offset
         if not cfg.l2_prefetch:  # cfg.l2_prefetch_next alone

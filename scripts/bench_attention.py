@@ -213,8 +213,6 @@ def main() -> int:
                 out["int8_query_digits"] = int(val)
             elif k == "ka" and val in ("0", "1"):
                 out["keys_ahead"] = val == "1"
-            elif k == "ci" and val in ("0", "1"):
-                out["carried_page_ids"] = val == "1"
             else:
                 raise SystemExit(f"--tune: unknown setting {part!r} (w, ls, n, wave, st, nw, "
                                  "lg=16|32, m=rows|segments|last, el=0|1, sn in [0, 0.5), gp=N, "

@@ -199,9 +199,6 @@ def main() -> int:
     p.add_argument("--ahead", default="0",
                    help="LaunchConfig.keys_ahead values (1: each step takes the next step's "
                         "key dots after its own value dots, labelled A)")
-    p.add_argument("--carried", default="0",
-                   help="LaunchConfig.carried_page_ids values (1: each step reads the next "
-                        "step's page IDs and carries them, labelled C)")
     p.add_argument("--prefetch", default="0",
                    help="LaunchConfig.l2_prefetch values (pages ahead asked of the L2 "
                         "cache; 0: none, labelled P<n> otherwise)")
@@ -248,7 +245,7 @@ def main() -> int:
     print(f"{'tiers':24s} {'w':>2s} {'st':>2s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s} "
           f"{'blocks/SM':>9s}  loop instructions per token (warp-level)")
     for (spec, warps, stages, sub, lanes, kchunk, ahead, stack, int8, trans, merged, early,
-         split, vip, msel, keys_ahead, carried) in itertools.product(
+         split, vip, msel, keys_ahead) in itertools.product(
             args.tiers.split(","), [int(x) for x in args.warps.split(",")],
             [int(x) for x in args.stages.split(",")], [int(x) for x in args.sub.split(",")],
             [int(x) for x in args.lanes.split(",")],
@@ -257,8 +254,7 @@ def main() -> int:
             [int(x) for x in args.stack.split(",")],
             [int(x) for x in args.int8.split(",")],
             *(flags(text) for text in (args.transposed, args.merged, args.early, args.split,
-                                       args.in_place, args.meta_select, args.ahead,
-                                       args.carried))):
+                                       args.in_place, args.meta_select, args.ahead))):
         tiers, caps = [], []
         for part in spec.split("+"):
             kb, vb, cap = (int(x) for x in part.split("-"))
@@ -280,8 +276,7 @@ def main() -> int:
                                lane_meta_select=msel, key_chunk=kchunk, l2_prefetch=ahead,
                                l2_prefetch_next=0 if ahead else args.prefetch_next,
                                stack_pages=stack, row_chunk=args.row_chunk,
-                               int8_query_digits=int8, keys_ahead=keys_ahead,
-                               carried_page_ids=carried)
+                               int8_query_digits=int8, keys_ahead=keys_ahead)
         rows = args.rows or pdk.tile_rows(G, trans)
         n_lanes = cfg.lanes(rows, G)
         # stacked pages: the quantized tiers walked a whole page per step by one lane
@@ -314,8 +309,7 @@ def main() -> int:
                 + (f"_pn{cfg.l2_prefetch_next}" if cfg.l2_prefetch_next else "")
                 + (f"_x{stack}" if stack > 1 else "")
                 + (f"_rc{args.row_chunk}" if args.row_chunk else "")
-                + (f"_i8x{int8}" if int8 else "") + ("_ahead" if keys_ahead else "")
-                + ("_carried" if carried else ""))
+                + (f"_i8x{int8}" if int8 else "") + ("_ahead" if keys_ahead else ""))
         path = os.path.join(args.out, name + ".ttir")
         with open(path, "w") as fh:
             fh.write(strip_locations(triton_ir(fn, q)))
@@ -326,7 +320,7 @@ def main() -> int:
                  + (f" P{ahead}" if ahead else "")
                  + (f" N{cfg.l2_prefetch_next}" if cfg.l2_prefetch_next else "")
                  + (f" X{stack}" if stack > 1 else "") + (f" I{int8}" if int8 else "")
-                 + (" A" if keys_ahead else "") + (" C" if carried else ""))
+                 + (" A" if keys_ahead else ""))
         line = f"{label:24s} {warps:2d} {stages:2d}"
         if triton is None:
             print(line + "  (no triton package: TTIR written only)")
