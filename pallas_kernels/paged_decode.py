@@ -422,7 +422,7 @@ def _kernel(*refs, tiers: tuple[TierFormat, ...], cfg: LaunchConfig, group: int,
             return x
         return x[:, None] if tr else x[None, :]
 
-    qscale = _logit_scale(D)
+    qscale = logit_scale(D)
 
     def q_part(start, width, dtype):
         rows = slice(None) if n_lanes == 1 else row_iota % Gl
@@ -1080,9 +1080,9 @@ TRACE_COLUMNS = (tuple(f"{p}_ns" for p in TRACE_POINTS)
                  + tuple(f"{p}_cycles" for p in TRACE_POINTS) + ("sm",))
 
 
-def _logit_scale(D: int) -> float:
-    """The query's factor in the decode launch: logits in log2 units (times log2(e) /
-    sqrt(D)), so the softmax is a bare exp2."""
+def logit_scale(D: int) -> float:
+    """The query's factor in the launches' logits (decode, window scores): logits in
+    log2 units (times log2(e) / sqrt(D)), so the softmax is a bare exp2."""
     return LOG2E / math.sqrt(D)
 
 
@@ -1110,7 +1110,7 @@ def int8_query_rows(q: jax.Array, digits: int = 1) -> jax.Array:
     log2(e) / sqrt(D)), which scales the steps along, so the reference given these
     rows is the launch's."""
     D = q.shape[-1]
-    qscale = _logit_scale(D)
+    qscale = logit_scale(D)
     rows = q.astype(jnp.float32).reshape(-1, D) * qscale
     scale = _int8_row_scale(rows)
     parts = _int8_digits(rows / scale[:, None], digits)

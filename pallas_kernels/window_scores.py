@@ -31,7 +31,6 @@ so each softmax is a bare exp2, and masks are added rather than selected.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +38,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import backend
+from pallas_kernels.paged_decode import LOG2E, logit_scale
 
 _NEG = -1e30
-LOG2E = 1.4426950408889634
 
 
 def _window_rows(len_ref, W: int, Wp: int, T: int):
@@ -159,7 +158,7 @@ def window_scores(q, k, lengths, window: int, *, lse=None, block: int = 128,
     nT = -(-T // bt)
     kp = k if nT * bt == T else jnp.pad(k, ((0, 0), (0, nT * bt - T), (0, 0), (0, 0)))
     lens = lengths.astype(jnp.int32).reshape(B, 1)
-    scale = LOG2E / math.sqrt(D)  # logits in log2 units: the softmax is a bare exp2
+    scale = logit_scale(D)
     params = None if interpret else backend.compiler_params(num_warps, 2)
     statics = dict(group=G, W=W, Wp=Wp, T=Tq, block=bt, scale=scale)
 
