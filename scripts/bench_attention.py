@@ -119,6 +119,10 @@ def main() -> int:
                         "kernels alone")
     p.add_argument("--copy-gib", type=float, default=4.0,
                    help="size of the copy that measures the bandwidth")
+    p.add_argument("--page-order", default="random", choices=("random", "sorted"),
+                   help="the pools' page order for our launches: random (as served) or "
+                        "sorted (each row's pages side by side: a diagnostic of what the "
+                        "pages' scatter costs)")
     p.add_argument("--json", default="results/bench_attention.json")
     args = p.parse_args()
 
@@ -240,7 +244,7 @@ def main() -> int:
             return (*ms, S * H * (N * 4 * D + per_row * 4), None)
         mix = "bf16" if v == "ours-bf16" else v
         tiers, nbytes = random_case(jax.random.fold_in(key, index), mix, S, H, D,
-                                    N)
+                                    N, page_order=args.page_order)
         # The caches' launch: page lanes for the quantized pages, not the 16-bit ones.
         lane_dim = 0 if mix == "bf16" else D
         transposed = tiles == "tokens" and mix != "bf16"

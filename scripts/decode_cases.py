@@ -27,9 +27,17 @@ MIXES = {
 }
 
 
-def random_case(key, mix: str, S: int, H: int, D: int, context: int):
+def random_case(key, mix: str, S: int, H: int, D: int, context: int,
+                page_order: str = "random"):
     """``(tiers, bytes_read)``: the tier inputs of ``S x H`` rows and the bytes a
-    kernel must read for them (codes or values, metadata, page IDs)."""
+    kernel must read for them (codes or values, metadata, page IDs).
+
+    ``page_order``: "random" (a random permutation of the pool, as a serving
+    pool's free list hands pages out) or "sorted" (each row's pages side by side,
+    rows in order: every stream a kernel reads is sequential, a diagnostic of
+    what the pages' scatter costs)."""
+    if page_order not in ("random", "sorted"):
+        raise ValueError(f"page_order must be 'random' or 'sorted', not {page_order!r}")
     tiers, nbytes = [], 0
     for kb, vb, cap, frac in MIXES[mix]:
         fmt = pdk.TierFormat(kb, vb, D, cap)
@@ -37,7 +45,8 @@ def random_case(key, mix: str, S: int, H: int, D: int, context: int):
         npr = max(1, -(-n // cap))
         P = S * H * npr
         key, a, b, c = jax.random.split(key, 4)
-        pages = jax.random.permutation(c, P).reshape(S, H, npr).astype(jnp.int32)
+        order = jax.random.permutation(c, P) if page_order == "random" else jnp.arange(P)
+        pages = order.reshape(S, H, npr).astype(jnp.int32)
         n_tok = jnp.full((S, H), n, jnp.int32)
         if fmt.quantized:
             data = jax.random.randint(a, (P, fmt.data_bytes), 0, 256, jnp.int32).astype(jnp.uint8)
