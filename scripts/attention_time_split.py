@@ -20,7 +20,6 @@ steps) next to the attention kernels. Llama3-8B head shapes, token tiles.
 """
 
 import argparse
-import json
 import os
 import sys
 
@@ -45,7 +44,8 @@ def main() -> int:
                                                     work_items)
     from pallas_kernels import paged_decode as pdk
     from pallas_kernels.row_merge import merge_rows
-    from scripts.decode_cases import chained_call, copy_bandwidth, random_case, time_chained_ms
+    from scripts.decode_cases import (chained_call, copy_bandwidth, random_case,
+                                      time_chained_ms, write_results)
     from scripts.device_profile import kernel_times
 
     bw = copy_bandwidth(args.copy_gib)
@@ -99,10 +99,7 @@ def main() -> int:
                         for name, ms in getattr(kernel_times, "gaps", [])[:6]:
                             print(f"  {ms * per:7.2f} us idle before {name[:60]}")
             del tiers
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as fh:
-        json.dump({"copy_bandwidth_tbps": bw, "device": jax.devices()[0].device_kind,
-                   "args": vars(args), "rows": out}, fh, indent=1)
+    write_results(args.json, bw, args, out)
     print(f"\n{'N':>6s} {'mix':14s} {'wave':>5s} {'logits':>6s} {'kern us':>8s} "
           f"{'full us':>8s} {'%copy':>6s}")
     for r in out:

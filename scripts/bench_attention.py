@@ -75,7 +75,6 @@ labelled
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import os
 import sys
@@ -137,7 +136,7 @@ def main() -> int:
     from pallas_kernels.row_merge import merge_rows
     from scripts.decode_cases import (ATTENTION_KERNELS, SHAPES, case_reference, chained_call,
                                       copy_bandwidth, kernel_ms, random_case, time_chained_ms,
-                                      time_launch_ms)
+                                      time_launch_ms, write_results)
     from scripts.device_profile import kernel_times
 
     launch_records = []  # {kernel, record}, each distinct one once, in the order first seen
@@ -323,13 +322,8 @@ def main() -> int:
         del tiers
         return (*ms, nbytes, err)
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-
     def save():  # after every shape, so a run cut short keeps what it measured
-        with open(args.json, "w") as fh:
-            json.dump({"copy_bandwidth_tbps": bw, "device": jax.devices()[0].device_kind,
-                       "args": vars(args), "rows": rows, "launch_records": launch_records},
-                      fh, indent=1)
+        write_results(args.json, bw, args, rows, launch_records=launch_records)
 
     bw = copy_bandwidth(args.copy_gib)
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.2f} TB/s; "

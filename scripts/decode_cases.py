@@ -197,6 +197,18 @@ def time_launch_ms(fn, q, *rest, chain: int = 0, prepare=None, threaded: bool = 
     return time_ms(fn, q, *rest)
 
 
+def write_results(path: str, bw: float, args, rows, **extra) -> None:
+    """A benchmark's results as JSON: the copy bandwidth of its run, the device,
+    its arguments (``args``: an argparse namespace) and ``rows``, with ``extra``."""
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump({"copy_bandwidth_tbps": bw, "device": jax.devices()[0].device_kind,
+                   "args": vars(args), "rows": rows, **extra}, fh, indent=1)
+
+
 def copy_bandwidth(gib: float = 4.0) -> float:
     """Device-to-device copy bandwidth (TB/s, bytes read + written) through XLA."""
     x = jnp.ones((int(gib * 2**28),), jnp.float32)

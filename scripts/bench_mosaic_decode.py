@@ -1,0 +1,94 @@
+"""The 16-bit decode attention on Pallas' Mosaic GPU backend, against the reference.
+
+Verifies :mod:`pallas_kernels.mosaic_decode` against its plain-jnp reference on
+the timed inputs, then times it chained (as a decode step runs one launch per
+layer) and on the kernels' own device time, for each split count and pipeline
+depth, at Llama3-8B head shapes (32 q / 8 KV heads, head dim 128, 16-token
+bf16 pages in a random order). The same shapes through `bench_attention.py
+--variants jax-bf16,ours-bf16` give JAX's kernel and the Triton-lowered one;
+run both in one device call to compare.
+
+    python scripts/bench_mosaic_decode.py --batches 32,128 --contexts 4096 \\
+        --splits 2,4,8 --stages 2,3 --json results/bench_mosaic_decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="32,128")
+    p.add_argument("--contexts", default="4096")
+    p.add_argument("--splits", default="2,4,8")
+    p.add_argument("--stages", default="2,3")
+    p.add_argument("--chain", type=int, default=32, help="launches chained per call")
+    p.add_argument("--json", default="results/bench_mosaic_decode.json")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import mosaic_decode as md
+    from scripts.decode_cases import copy_bandwidth, kernel_ms, time_chained_ms, write_results
+
+    nq, H, D, page = 32, 8, 128, 16
+    G = nq // H
+    bw = copy_bandwidth()
+    print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.2f} TB/s", flush=True)
+    rows = []
+    for S in map(int, args.batches.split(",")):
+        for N in map(int, args.contexts.split(",")):
+            NP = N // page
+            P = S * H * NP
+            kq, kk, kv, kt = jax.random.split(jax.random.PRNGKey(S * 7 + N), 4)
+            q = jax.random.normal(kq, (S, H, G, D), jnp.bfloat16) / math.sqrt(D)
+            k = jax.random.normal(kk, (P, page, D), jnp.bfloat16)
+            v = jax.random.normal(kv, (P, page, D), jnp.bfloat16)
+            tables = jax.random.permutation(kt, P).reshape(S, H, NP).astype(jnp.int32)
+            nbytes = S * H * (N * 4 * D + NP * 4)
+            ref = jax.jit(md.mosaic_decode_reference)(q, k, v, tables)
+            for K in map(int, args.splits.split(",")):
+                for st in map(int, args.stages.split(",")):
+                    name = f"mosaic-bf16[K={K},st={st}]"
+                    try:
+                        fn = jax.jit(lambda q, k, v, t, K=K, st=st: md.mosaic_decode(
+                            q, k, v, t, splits=K, stages=st))
+                        got = fn(q, k, v, tables)
+                        err = float(jnp.abs(got - ref).max() / jnp.abs(ref).max())
+                        ms = time_chained_ms(fn, q, k, v, tables, launches=args.chain)
+                        own, kernels = kernel_ms(fn, q, k, v, tables, launches=args.chain,
+                                                 names=("mosaic", "entry"))
+                    except Exception as e:  # a setting that does not build is reported
+                        print(f"skip {name} B={S} N={N}: {type(e).__name__}: "
+                              f"{str(e)[:300]}", flush=True)
+                        continue
+                    row = dict(batch=S, context=N, variant=name, splits=K, stages=st, ms=ms,
+                               kernel_ms=own, kernels=kernels, bytes=nbytes, rel_err=err,
+                               tbps=nbytes / (ms * 1e-3) / 1e12)
+                    if own:
+                        row["kernel_tbps"] = nbytes / (own * 1e-3) / 1e12
+                    rows.append(row)
+                    print(f"{name} B={S} N={N}: {ms * 1e3:.1f} us chained, own "
+                          f"{(own or 0) * 1e3:.1f} us, err {err:.1e}; kernels "
+                          + ", ".join(f"{n[:40]} {t * 1e3:.1f}" for n, t in kernels),
+                          flush=True)
+            write_results(args.json, bw, args, rows)  # after every shape
+
+    print(f"\n{'B':>4} {'N':>6} {'variant':<26} {'us':>7} {'own us':>7} {'TB/s':>6} "
+          f"{'%copy':>6} {'err':>8}")
+    for r in rows:
+        own = r.get("kernel_ms") or 0
+        print(f"{r['batch']:>4} {r['context']:>6} {r['variant']:<26} {r['ms'] * 1e3:7.1f} "
+              f"{own * 1e3:7.1f} {r.get('kernel_tbps', 0):6.2f} "
+              f"{100 * r.get('kernel_tbps', 0) / bw:5.1f}% {r['rel_err']:8.1e}")
+
+
+if __name__ == "__main__":
+    main()
