@@ -1,4 +1,4 @@
-"""Paged decode attention over 16-bit pages on Pallas' Mosaic GPU backend.
+"""Paged decode attention on Pallas' Mosaic GPU backend: 16-bit pages, and K8V4.
 
 A measurement of the backend, not a path the caches take: the same problem as
 the 16-bit launch of :mod:`pallas_kernels.paged_decode` (one program per
@@ -16,6 +16,11 @@ Limits (checked): every row holds the same number of tokens, a multiple of the
 tokens of one step per split, its table a multiple of 32 pages; a group of at
 most 8; head dim a multiple of 64.
 :func:`mosaic_decode_reference` is the plain-jnp reference.
+
+:func:`mosaic_k8v4` walks K8V4 pages (the DiffKV high tier) with token tiles
+instead (the comment above it says how); its reference is
+:func:`pallas_kernels.paged_decode.tier_attention_reference` on the dequantized
+tokens.
 """
 
 from __future__ import annotations
@@ -200,3 +205,204 @@ def mosaic_decode_reference(q, k_pool, v_pool, tables):
     v = v_pool[tables].reshape(S, H, -1, v_pool.shape[-1]).astype(jnp.float32)
     s = jnp.einsum("shgd,shtd->shgt", q.astype(jnp.float32), k)
     return jnp.einsum("shgt,shtd->shgd", jax.nn.softmax(s, axis=-1), v)
+
+
+# K8V4 pages (8-bit keys, 4-bit values, 32 slots): the quantized launch on Mosaic GPU.
+# Token tiles: a step's two pages (64 tokens) are the rows of a ``wgmma`` tile, their
+# key codes upcast in registers as its A operand against the query as a transposed B
+# operand; the group is padded to 32 columns (the probabilities' tile, a page's 32
+# tokens by the columns, is one K group of a 64-byte swizzle). The probabilities, weighted by the values' scales, go through
+# shared memory as the B operand of the value dots, whose A operands are each page's
+# value codes unpacked in registers (low nibbles: dims 0 - 63, high: 64 - 127).
+# Operands in bfloat16 (codes to 255 are exact in it; the query and the weighted
+# probabilities keep 7 mantissa bits, hence an error of ~7.5e-3 of the output scale).
+K8V4_SLOTS = 32
+TILE_COLS = 32
+
+
+def _k8v4_body(q_ref, qsum_ref, kv_ref, vv_ref, km_ref, vm_ref, tables_ref,
+               o_ref, st_ref, scoped, *, steps: int, stages: int, pages_per_split: int):
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    (q_smem, qsum_smem, kc_smem, vc_smem, km_smem, vm_smem, p_smem, o_smem, st_smem,
+     table_smem), (q_bar, table_bar, page_bars, free_bars) = scoped
+    split, head, seq = (lax.axis_index(n) for n in ("split", "head", "seq"))
+    wg = lax.axis_index("wg")
+    D = q_smem.shape[-1]
+    half = D // 2
+
+    def meta(words):  # packed (scale, zero) words -> float32 pair
+        as_half = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)  # noqa: E731
+        return (as_half(words & jnp.uint32(0xFFFF)).astype(jnp.float32),
+                as_half(words >> jnp.uint32(16)).astype(jnp.float32))
+
+    @pl.when(wg == 0)
+    def _compute():
+        plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_bar)
+        plgpu.copy_gmem_to_smem(qsum_ref.at[seq, head], qsum_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+        qsum = qsum_smem[...]
+        cols = jnp.full((TILE_COLS,), 0, jnp.float32)
+        m, l, z = cols - jnp.inf, cols, cols
+        acc_lo = jnp.full((half, TILE_COLS), 0, jnp.float32)
+        acc_hi = acc_lo
+
+        def step(j, carry):
+            acc_lo, acc_hi, m, l, z = carry
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(page_bars.at[slot])
+            codes = kc_smem[slot].astype(jnp.bfloat16)
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, codes, q_smem.transpose((1, 0)))
+                return acc_ref[...]
+            dots = pl.run_scoped(qk, plgpu.ACC((2 * K8V4_SLOTS, TILE_COLS), jnp.float32))
+            ks, kz = meta(km_smem[slot])
+            s = (dots * lax.broadcast_in_dim(ks, dots.shape, [0])
+                 + lax.broadcast_in_dim(kz, dots.shape, [0])
+                 * lax.broadcast_in_dim(qsum, dots.shape, [1]))
+            m_new = jnp.maximum(m, s.max(axis=0))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+            vs, vz = meta(vm_smem[slot])
+            l = l * alpha + p.sum(axis=0)
+            z = z * alpha + (p * lax.broadcast_in_dim(vz, p.shape, [0])).sum(axis=0)
+            p_smem[...] = (p * lax.broadcast_in_dim(vs, p.shape, [0])).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            acc_lo = acc_lo * lax.broadcast_in_dim(alpha, acc_lo.shape, [1])
+            acc_hi = acc_hi * lax.broadcast_in_dim(alpha, acc_hi.shape, [1])
+            for i in range(2):
+                vc = vc_smem[slot, i].astype(jnp.uint16)
+                lo = (vc & jnp.uint16(15)).astype(jnp.bfloat16)
+                hi = (vc >> jnp.uint16(4)).astype(jnp.bfloat16)
+                pb = p_smem.at[pl.ds(i * K8V4_SLOTS, K8V4_SLOTS)]
+
+                def pv(acc_ref, codes):
+                    plgpu.wgmma(acc_ref, codes, pb)
+                    return acc_ref[...]
+                acc_lo = acc_lo + pl.run_scoped(lambda r: pv(r, lo),
+                                                plgpu.ACC((half, TILE_COLS), jnp.float32))
+                acc_hi = acc_hi + pl.run_scoped(lambda r: pv(r, hi),
+                                                plgpu.ACC((half, TILE_COLS), jnp.float32))
+            plgpu.barrier_arrive(free_bars.at[slot])
+            return acc_lo, acc_hi, m_new, l, z
+
+        acc_lo, acc_hi, m, l, z = lax.fori_loop(0, steps, step, (acc_lo, acc_hi, m, l, z))
+        o_smem[0] = acc_lo
+        o_smem[1] = acc_hi
+        st_smem[0] = m
+        st_smem[1] = l
+        st_smem[2] = z
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[seq, head, split])
+        plgpu.copy_smem_to_gmem(st_smem, st_ref.at[seq, head, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _memory():
+        plgpu.copy_gmem_to_smem(tables_ref.at[seq, head], table_smem, table_bar)
+        plgpu.barrier_wait(table_bar)
+        first = split * pages_per_split
+
+        def fetch(j, slot):
+            for i in range(2):
+                pid = table_smem[first + 2 * j + i]
+                bar = page_bars.at[slot]
+                rows = pl.ds(i * K8V4_SLOTS, K8V4_SLOTS)
+                plgpu.copy_gmem_to_smem(kv_ref.at[pid, pl.ds(0, K8V4_SLOTS)],
+                                        kc_smem.at[slot, rows], bar)
+                plgpu.copy_gmem_to_smem(vv_ref.at[pid, pl.ds(D, half)], vc_smem.at[slot, i],
+                                        bar)
+                plgpu.copy_gmem_to_smem(km_ref.at[pid], km_smem.at[slot, rows], bar)
+                plgpu.copy_gmem_to_smem(vm_ref.at[pid], vm_smem.at[slot, rows], bar)
+
+        for j in range(stages):
+            fetch(j, j)
+
+        @pl.loop(stages, steps)
+        def _(j):
+            slot = lax.rem(j, stages)
+            plgpu.barrier_wait(free_bars.at[slot])
+            fetch(j, slot)
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "stages"))
+def mosaic_k8v4_partials(q, keys, values, meta, tables, *, splits: int, stages: int = 2):
+    """Partials of every (sequence, KV head, split) over K8V4 pages.
+
+    ``q``: [S, H, G, D] in log2 units (``q / sqrt(D) * log2(e)``); ``keys``,
+    ``values``: :func:`pallas_kernels.paged_decode.page_views` of the pool;
+    ``meta``: the (key, value) packed words [P, 32]; ``tables``: [S, H, NP], every
+    row ``32 NP`` tokens. Returns ``o`` [S, H, splits, 2, D/2, 64] float32 (the
+    dims' halves by query column, unnormalized, before the values' zero term) and
+    ``stats`` [S, H, splits, 3, 64]: the running max, the sum and the zero term's
+    weight per column (columns past G are padding).
+    """
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    S, H, G, D = q.shape
+    NP = tables.shape[-1]
+    if G > TILE_COLS or D != 128:
+        raise ValueError(f"group {G} must be at most {TILE_COLS}, head dim {D} 128")
+    if NP % 32 or NP % (2 * splits):
+        raise ValueError(f"{NP} pages per row: a multiple of 32 and of 2 x {splits} needed")
+    pages_per_split = NP // splits
+    steps = pages_per_split // 2
+    if steps < stages:
+        raise ValueError(f"{steps} steps per split, fewer than {stages} stages")
+    qb = q.astype(jnp.bfloat16)
+    q_pad = jnp.zeros((S, H, TILE_COLS, D), jnp.bfloat16).at[:, :, :G].set(qb)
+    qsum = jnp.zeros((S, H, TILE_COLS), jnp.float32).at[:, :, :G].set(
+        qb.astype(jnp.float32).sum(-1))
+    km, vm = meta
+
+    def swizzled(bits, row_bytes):
+        return (plgpu.TilingTransform((8, row_bytes * 8 // bits)),
+                plgpu.SwizzleTransform(row_bytes))
+    tile = 2 * K8V4_SLOTS
+    scratch = (
+        (plgpu.SMEM((TILE_COLS, D), jnp.bfloat16, transforms=swizzled(16, 128)),
+         plgpu.SMEM((TILE_COLS,), jnp.float32),
+         plgpu.SMEM((stages, tile, D), jnp.uint8, transforms=swizzled(8, 128)),
+         plgpu.SMEM((stages, 2, D // 2, K8V4_SLOTS), jnp.uint8, transforms=swizzled(8, 32)),
+         plgpu.SMEM((stages, tile), jnp.uint32),
+         plgpu.SMEM((stages, tile), jnp.uint32),
+         # rows of 64 bytes: a 64-byte swizzle, so a page's 32 tokens are one K group
+         plgpu.SMEM((tile, TILE_COLS), jnp.bfloat16, transforms=swizzled(16, 64)),
+         plgpu.SMEM((2, D // 2, TILE_COLS), jnp.float32),
+         plgpu.SMEM((3, TILE_COLS), jnp.float32),
+         plgpu.SMEM((NP,), jnp.int32)),
+        (plgpu.Barrier(num_arrivals=2), plgpu.Barrier(),
+         plgpu.Barrier(num_arrivals=8, num_barriers=stages),
+         plgpu.Barrier(num_barriers=stages)),
+    )
+    body = functools.partial(_k8v4_body, steps=steps, stages=stages,
+                             pages_per_split=pages_per_split)
+
+    def entry(*refs):
+        pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
+
+    out_type = (jax.ShapeDtypeStruct((S, H, splits, 2, D // 2, TILE_COLS), jnp.float32),
+                jax.ShapeDtypeStruct((S, H, splits, 3, TILE_COLS), jnp.float32))
+    return plgpu.kernel(entry, out_type=out_type, grid=(splits, H, S),
+                        grid_names=("split", "head", "seq"), num_threads=2,
+                        thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(
+                            approx_math=True,
+                            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                        )(q_pad, qsum, keys, values, km, vm, tables)
+
+
+def mosaic_k8v4(q, keys, values, meta, tables, *, splits: int, stages: int = 2):
+    """Decode attention over K8V4 pages: [S, H, G, D] float32 (``q`` in log2 units)."""
+    G = q.shape[2]
+    o, st = mosaic_k8v4_partials(q, keys, values, meta, tables, splits=splits,
+                                 stages=stages)
+    o = jnp.concatenate([o[:, :, :, 0], o[:, :, :, 1]], axis=3)[..., :G]  # [S,H,K,D,G]
+    m, l, z = st[:, :, :, 0, :G], st[:, :, :, 1, :G], st[:, :, :, 2, :G]
+    top = m.max(axis=2, keepdims=True)
+    w = jnp.exp2(m - top)
+    num = jnp.sum((o + z[:, :, :, None, :]) * w[:, :, :, None, :], axis=2)  # [S,H,D,G]
+    return (num / jnp.sum(l * w, axis=2)[:, :, None, :]).swapaxes(-1, -2)

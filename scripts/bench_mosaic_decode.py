@@ -15,6 +15,7 @@ run both in one device call to compare.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import sys
@@ -29,6 +30,9 @@ def main(argv=None):
     p.add_argument("--splits", default="2,4,8")
     p.add_argument("--stages", default="2,3")
     p.add_argument("--chain", type=int, default=32, help="launches chained per call")
+    p.add_argument("--pages", default="bf16",
+                   help="comma list of page formats: bf16 (16-token pages), k8v4 (the "
+                        "DiffKV high tier: 32-token pages, 8-bit keys, 4-bit values)")
     p.add_argument("--json", default="results/bench_mosaic_decode.json")
     args = p.parse_args(argv)
 
@@ -36,50 +40,65 @@ def main(argv=None):
     import jax.numpy as jnp
 
     from pallas_kernels import mosaic_decode as md
-    from scripts.decode_cases import copy_bandwidth, kernel_ms, time_chained_ms, write_results
+    from pallas_kernels import paged_decode as pdk
+    from scripts.decode_cases import (case_reference, copy_bandwidth, kernel_ms, random_case,
+                                      time_chained_ms, write_results)
 
     nq, H, D, page = 32, 8, 128, 16
     G = nq // H
     bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.2f} TB/s", flush=True)
     rows = []
-    for S in map(int, args.batches.split(",")):
-        for N in map(int, args.contexts.split(",")):
+    for S, N, fmt in itertools.product(map(int, args.batches.split(",")),
+                                       map(int, args.contexts.split(",")),
+                                       args.pages.split(",")):
+        key = jax.random.PRNGKey(S * 7 + N)
+        if fmt == "bf16":
             NP = N // page
             P = S * H * NP
-            kq, kk, kv, kt = jax.random.split(jax.random.PRNGKey(S * 7 + N), 4)
+            kq, kk, kv, kt = jax.random.split(key, 4)
             q = jax.random.normal(kq, (S, H, G, D), jnp.bfloat16) / math.sqrt(D)
             k = jax.random.normal(kk, (P, page, D), jnp.bfloat16)
             v = jax.random.normal(kv, (P, page, D), jnp.bfloat16)
             tables = jax.random.permutation(kt, P).reshape(S, H, NP).astype(jnp.int32)
             nbytes = S * H * (N * 4 * D + NP * 4)
             ref = jax.jit(md.mosaic_decode_reference)(q, k, v, tables)
-            for K in map(int, args.splits.split(",")):
-                for st in map(int, args.stages.split(",")):
-                    name = f"mosaic-bf16[K={K},st={st}]"
-                    try:
-                        fn = jax.jit(lambda q, k, v, t, K=K, st=st: md.mosaic_decode(
-                            q, k, v, t, splits=K, stages=st))
-                        got = fn(q, k, v, tables)
-                        err = float(jnp.abs(got - ref).max() / jnp.abs(ref).max())
-                        ms = time_chained_ms(fn, q, k, v, tables, launches=args.chain)
-                        own, kernels = kernel_ms(fn, q, k, v, tables, launches=args.chain,
-                                                 names=("mosaic", "entry"))
-                    except Exception as e:  # a setting that does not build is reported
-                        print(f"skip {name} B={S} N={N}: {type(e).__name__}: "
-                              f"{str(e)[:300]}", flush=True)
-                        continue
-                    row = dict(batch=S, context=N, variant=name, splits=K, stages=st, ms=ms,
-                               kernel_ms=own, kernels=kernels, bytes=nbytes, rel_err=err,
-                               tbps=nbytes / (ms * 1e-3) / 1e12)
-                    if own:
-                        row["kernel_tbps"] = nbytes / (own * 1e-3) / 1e12
-                    rows.append(row)
-                    print(f"{name} B={S} N={N}: {ms * 1e3:.1f} us chained, own "
-                          f"{(own or 0) * 1e3:.1f} us, err {err:.1e}; kernels "
-                          + ", ".join(f"{n[:40]} {t * 1e3:.1f}" for n, t in kernels[:4]),
-                          flush=True)
-            write_results(args.json, bw, args, rows)  # after every shape
+            operands = (q, k, v, tables)
+            launch = md.mosaic_decode
+        else:  # the same random pages and metadata as bench_attention's diffkv-high
+            (tier,), nbytes = random_case(key, "diffkv-high", S, H, D, N)
+            q = jax.random.normal(jax.random.fold_in(key, 1), (S, H, G, D), jnp.bfloat16)
+            ref = pdk.merge_partials([r[:3] for r in case_reference(q, [tier])])[0]
+            operands = ((q.astype(jnp.float32) * pdk.logit_scale(D)), tier.keys,
+                        tier.values, tier.meta[0], tier.meta[1], tier.pages)
+            launch = lambda q, k, v, km, vm, t, **kw: md.mosaic_k8v4(  # noqa: E731
+                q, k, v, (km, vm), t, **kw)
+        for K in map(int, args.splits.split(",")):
+            for st in map(int, args.stages.split(",")):
+                name = f"mosaic-{fmt}[K={K},st={st}]"
+                try:
+                    fn = jax.jit(lambda *a, K=K, st=st, launch=launch: launch(
+                        *a, splits=K, stages=st))
+                    got = fn(*operands)
+                    err = float(jnp.abs(got - ref).max() / jnp.abs(ref).max())
+                    ms = time_chained_ms(fn, *operands, launches=args.chain)
+                    own, kernels = kernel_ms(fn, *operands, launches=args.chain,
+                                             names=("mosaic", "entry"))
+                except Exception as e:  # a setting that does not build is reported
+                    print(f"skip {name} B={S} N={N}: {type(e).__name__}: "
+                          f"{str(e)[:300]}", flush=True)
+                    continue
+                row = dict(batch=S, context=N, variant=name, splits=K, stages=st, ms=ms,
+                           kernel_ms=own, kernels=kernels, bytes=nbytes, rel_err=err,
+                           tbps=nbytes / (ms * 1e-3) / 1e12)
+                if own:
+                    row["kernel_tbps"] = nbytes / (own * 1e-3) / 1e12
+                rows.append(row)
+                print(f"{name} B={S} N={N}: {ms * 1e3:.1f} us chained, own "
+                      f"{(own or 0) * 1e3:.1f} us, err {err:.1e}; kernels "
+                      + ", ".join(f"{n[:40]} {t * 1e3:.1f}" for n, t in kernels[:4]),
+                      flush=True)
+        write_results(args.json, bw, args, rows)  # after every shape
 
     print(f"\n{'B':>4} {'N':>6} {'variant':<26} {'us':>7} {'own us':>7} {'TB/s':>6} "
           f"{'%copy':>6} {'err':>8}")
