@@ -24,7 +24,7 @@
 #   bash scripts/h200_figures.sh codes        # value codes in place, lanes' metadata once, K4V2 pages split, B = 32
 #   bash scripts/h200_figures.sh codes-engine # the engine's GPU tests with values in place and the lanes' metadata once off
 #   bash scripts/h200_figures.sh registers    # two warps per program; ptxas register caps (XLA_FLAGS) for 12 / 14 programs per multiprocessor
-#   bash scripts/h200_figures.sh mosaic       # the 16-bit decode on Mosaic GPU against ours and JAX's
+#   bash scripts/h200_figures.sh mosaic       # the decode on Mosaic GPU (16-bit, K8V4) against ours and JAX's
 #   bash scripts/h200_figures.sh smollm2      # the embedded model's shapes, as the caches launch
 #   bash scripts/h200_figures.sh ragged       # launches over an engine-like ragged batch
 #   bash scripts/h200_figures.sh parts        # a launch's plan / kernel / merge, timed apart
@@ -166,12 +166,14 @@ case "${1:-}" in
       --json "$OUT/timeline_row_chunks_mix_32x4k.json" ;;
   mosaic)
     # pallas_kernels/mosaic_decode.py checked compiled, then timed beside the Triton-lowered
-    # 16-bit launch and JAX's kernel (on an H100 the two 16-bit kernels were level, 3.0.0za)
+    # launches and JAX's kernel (on an H100 the two 16-bit kernels were level, 3.0.0za, and
+    # the first K8V4 launch on Mosaic GPU 3.5x slower than the Triton one, 3.0.0zb)
     python -m pytest -q -m gpu tests/test_mosaic_decode.py
-    python scripts/bench_mosaic_decode.py --batches 32,128 --contexts 4096 --splits 2,4 \
-      --stages 3,4 --json "$OUT/bench_mosaic_decode.json"
+    python scripts/bench_mosaic_decode.py --pages bf16,k8v4 --batches 32,128 --contexts 4096 \
+      --splits 2,4 --stages 2,4 --json "$OUT/bench_mosaic_decode.json"
     python scripts/bench_attention.py --models llama3-8b --batches 32,128 --contexts 4096 \
-      --variants jax-bf16,ours-bf16 --chain 32 --json "$OUT/bench_attention_bf16.json" ;;
+      --variants jax-bf16,ours-bf16,diffkv-high --kernel-tiles tokens --chain 32 \
+      --tune m=last --json "$OUT/bench_attention_mosaic_peers.json" ;;
   open)
     # what is still open for the realistic mix at 32 x 4K on the H200, in one call:
     # the caches' two-warp launch against one warp (3.0.0t), row cursors at one warp
