@@ -40,6 +40,30 @@ OUT_ROWS = 8
 PAGES_PER_STEP = 4
 
 
+def _copy_pages(table_ref, table_smem, table_bar, first_page, fetch, free, steps: int,
+                stages: int):
+    """The copying warpgroup of both launches: the row's whole page table into shared
+    memory (a TMA moves multiples of 128 bytes), then ``fetch(first, j, slot)`` for
+    every step ``j`` (``first = first_page()``, the split's first table entry), a
+    slot again once the computing warpgroup has arrived on each of its ``free``
+    barriers."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    plgpu.copy_gmem_to_smem(table_ref, table_smem, table_bar)
+    plgpu.barrier_wait(table_bar)
+    first = first_page()
+    for j in range(stages):
+        fetch(first, j, j)
+
+    @pl.loop(stages, steps)
+    def _(j):
+        slot = lax.rem(j, stages)
+        for bars in free:
+            plgpu.barrier_wait(bars.at[slot])
+        fetch(first, j, slot)
+
+
 def _kernel_body(q_ref, k_ref, v_ref, tables_ref, o_ref, m_ref, l_ref, scoped, *,
                  steps: int, stages: int, pages_per_split: int, page: int, dtype):
     import jax.experimental.pallas as pl
@@ -95,29 +119,16 @@ def _kernel_body(q_ref, k_ref, v_ref, tables_ref, o_ref, m_ref, l_ref, scoped, *
         plgpu.copy_smem_to_gmem(ml_smem.at[1, pl.ds(0, OUT_ROWS)], l_ref.at[seq, head, split])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 1)
-    def _memory():
-        # the row's whole table (a TMA moves multiples of 128 bytes)
-        plgpu.copy_gmem_to_smem(tables_ref.at[seq, head], table_smem, table_bar)
-        plgpu.barrier_wait(table_bar)
-        first = split * pages_per_split
+    def fetch(first, j, slot):
+        for i in range(PAGES_PER_STEP):
+            pid = table_smem[first + j * PAGES_PER_STEP + i]
+            rows = pl.ds(i * page, page)
+            plgpu.copy_gmem_to_smem(k_ref.at[pid], k_smem.at[slot, rows], k_bars.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[pid], v_smem.at[slot, rows], v_bars.at[slot])
 
-        def fetch(j, slot):
-            for i in range(PAGES_PER_STEP):
-                pid = table_smem[first + j * PAGES_PER_STEP + i]
-                rows = pl.ds(i * page, page)
-                plgpu.copy_gmem_to_smem(k_ref.at[pid], k_smem.at[slot, rows], k_bars.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[pid], v_smem.at[slot, rows], v_bars.at[slot])
-
-        for j in range(stages):
-            fetch(j, j)
-
-        @pl.loop(stages, steps)
-        def _(j):
-            slot = lax.rem(j, stages)
-            plgpu.barrier_wait(k_free.at[slot])
-            plgpu.barrier_wait(v_free.at[slot])
-            fetch(j, slot)
+    pl.when(wg == 1)(lambda: _copy_pages(tables_ref.at[seq, head], table_smem, table_bar,
+                                         lambda: split * pages_per_split, fetch,
+                                         (k_free, v_free), steps, stages))
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages"))
@@ -299,32 +310,20 @@ def _k8v4_body(q_ref, qsum_ref, kv_ref, vv_ref, km_ref, vm_ref, tables_ref,
         plgpu.copy_smem_to_gmem(st_smem, st_ref.at[seq, head, split])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 1)
-    def _memory():
-        plgpu.copy_gmem_to_smem(tables_ref.at[seq, head], table_smem, table_bar)
-        plgpu.barrier_wait(table_bar)
-        first = split * pages_per_split
+    def fetch(first, j, slot):
+        for i in range(2):
+            pid = table_smem[first + 2 * j + i]
+            bar = page_bars.at[slot]
+            rows = pl.ds(i * K8V4_SLOTS, K8V4_SLOTS)
+            plgpu.copy_gmem_to_smem(kv_ref.at[pid, pl.ds(0, K8V4_SLOTS)],
+                                    kc_smem.at[slot, rows], bar)
+            plgpu.copy_gmem_to_smem(vv_ref.at[pid, pl.ds(D, half)], vc_smem.at[slot, i], bar)
+            plgpu.copy_gmem_to_smem(km_ref.at[pid], km_smem.at[slot, rows], bar)
+            plgpu.copy_gmem_to_smem(vm_ref.at[pid], vm_smem.at[slot, rows], bar)
 
-        def fetch(j, slot):
-            for i in range(2):
-                pid = table_smem[first + 2 * j + i]
-                bar = page_bars.at[slot]
-                rows = pl.ds(i * K8V4_SLOTS, K8V4_SLOTS)
-                plgpu.copy_gmem_to_smem(kv_ref.at[pid, pl.ds(0, K8V4_SLOTS)],
-                                        kc_smem.at[slot, rows], bar)
-                plgpu.copy_gmem_to_smem(vv_ref.at[pid, pl.ds(D, half)], vc_smem.at[slot, i],
-                                        bar)
-                plgpu.copy_gmem_to_smem(km_ref.at[pid], km_smem.at[slot, rows], bar)
-                plgpu.copy_gmem_to_smem(vm_ref.at[pid], vm_smem.at[slot, rows], bar)
-
-        for j in range(stages):
-            fetch(j, j)
-
-        @pl.loop(stages, steps)
-        def _(j):
-            slot = lax.rem(j, stages)
-            plgpu.barrier_wait(free_bars.at[slot])
-            fetch(j, slot)
+    pl.when(wg == 1)(lambda: _copy_pages(tables_ref.at[seq, head], table_smem, table_bar,
+                                         lambda: split * pages_per_split, fetch,
+                                         (free_bars,), steps, stages))
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "stages"))
@@ -397,12 +396,14 @@ def mosaic_k8v4_partials(q, keys, values, meta, tables, *, splits: int, stages: 
 
 def mosaic_k8v4(q, keys, values, meta, tables, *, splits: int, stages: int = 2):
     """Decode attention over K8V4 pages: [S, H, G, D] float32 (``q`` in log2 units)."""
-    G = q.shape[2]
     o, st = mosaic_k8v4_partials(q, keys, values, meta, tables, splits=splits,
                                  stages=stages)
-    o = jnp.concatenate([o[:, :, :, 0], o[:, :, :, 1]], axis=3)[..., :G]  # [S,H,K,D,G]
-    m, l, z = st[:, :, :, 0, :G], st[:, :, :, 1, :G], st[:, :, :, 2, :G]
-    top = m.max(axis=2, keepdims=True)
-    w = jnp.exp2(m - top)
-    num = jnp.sum((o + z[:, :, :, None, :]) * w[:, :, :, None, :], axis=2)  # [S,H,D,G]
-    return (num / jnp.sum(l * w, axis=2)[:, :, None, :]).swapaxes(-1, -2)
+    return _merge_k8v4(o, st, q.shape[2])
+
+
+def _merge_k8v4(o, st, group: int):
+    """:func:`mosaic_k8v4_partials`' splits merged: the dims' halves joined, the
+    values' zero term added, then :func:`merge_splits`."""
+    o = jnp.concatenate([o[:, :, :, 0], o[:, :, :, 1]], axis=3)  # [S, H, K, D, columns]
+    o = (o + st[:, :, :, None, 2]).swapaxes(-1, -2)
+    return merge_splits(o, st[:, :, :, 0], st[:, :, :, 1], group)

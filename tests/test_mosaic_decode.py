@@ -49,6 +49,21 @@ def test_merge_of_split_partials_is_exact():
     np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+def test_k8v4_merge_joins_the_dims_halves_and_adds_the_zero_term():
+    rng = np.random.default_rng(2)
+    S, H, K, cols, G = 2, 3, 4, md.TILE_COLS, 4
+    o = rng.normal(size=(S, H, K, 2, 64, cols)).astype(np.float32)
+    m = rng.normal(size=(S, H, K, cols)).astype(np.float32) * 4
+    l = rng.uniform(1, 3, size=(S, H, K, cols)).astype(np.float32)
+    z = rng.normal(size=(S, H, K, cols)).astype(np.float32)
+    st = np.stack([m, l, z], axis=3)
+    got = np.asarray(md._merge_k8v4(jnp.asarray(o), jnp.asarray(st), G))
+    full = np.concatenate([o[:, :, :, 0], o[:, :, :, 1]], axis=3) + z[:, :, :, None]
+    w = np.exp2(m - m.max(axis=2, keepdims=True))
+    want = ((full * w[:, :, :, None]).sum(2) / (l * w).sum(2)[:, :, None]).swapaxes(-1, -2)
+    np.testing.assert_allclose(got, want[:, :, :G], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("splits,stages,G,D", [(2, 2, 4, 128), (1, 3, 8, 64)])
 def test_kernel_lowers_for_cuda(splits, stages, G, D):
     q, k, v, tables = case(G=G, D=D)
