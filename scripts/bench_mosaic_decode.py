@@ -1,12 +1,13 @@
-"""The 16-bit decode attention on Pallas' Mosaic GPU backend, against the reference.
+"""The decode attention on Pallas' Mosaic GPU backend, against the reference.
 
-Verifies :mod:`pallas_kernels.mosaic_decode` against its plain-jnp reference on
-the timed inputs, then times it chained (as a decode step runs one launch per
-layer) and on the kernels' own device time, for each split count and pipeline
-depth, at Llama3-8B head shapes (32 q / 8 KV heads, head dim 128, 16-token
-bf16 pages in a random order). The same shapes through `bench_attention.py
---variants jax-bf16,ours-bf16` give JAX's kernel and the Triton-lowered one;
-run both in one device call to compare.
+Verifies :mod:`pallas_kernels.mosaic_decode` against its reference on the timed
+inputs, then times it chained (as a decode step runs one launch per layer) and
+on the kernels' own device time, for each split count and pipeline depth, at
+Llama3-8B head shapes (32 q / 8 KV heads, head dim 128) over 16-bit pages of 16
+tokens (``--pages bf16``) or K8V4 pages (``k8v4``), in a random order. The same
+shapes through `bench_attention.py --variants jax-bf16,ours-bf16,diffkv-high`
+give JAX's kernel and the Triton-lowered ones; run both in one device call to
+compare.
 
     python scripts/bench_mosaic_decode.py --batches 32,128 --contexts 4096 \\
         --splits 2,4,8 --stages 2,3 --json results/bench_mosaic_decode.json
@@ -44,7 +45,7 @@ def main(argv=None):
     from scripts.decode_cases import (case_reference, copy_bandwidth, kernel_ms, random_case,
                                       time_chained_ms, write_results)
 
-    nq, H, D, page = 32, 8, 128, 16
+    nq, H, D = 32, 8, 128
     G = nq // H
     bw = copy_bandwidth()
     print(f"device {jax.devices()[0].device_kind}; copy bandwidth {bw:.2f} TB/s", flush=True)
@@ -52,22 +53,17 @@ def main(argv=None):
     for S, N, fmt in itertools.product(map(int, args.batches.split(",")),
                                        map(int, args.contexts.split(",")),
                                        args.pages.split(",")):
+        # pages (and metadata) made as bench_attention makes its bf16 / diffkv-high ones
         key = jax.random.PRNGKey(S * 7 + N)
+        (tier,), nbytes = random_case(key, "bf16" if fmt == "bf16" else "diffkv-high",
+                                      S, H, D, N)
+        q = jax.random.normal(jax.random.fold_in(key, 1), (S, H, G, D), jnp.bfloat16)
         if fmt == "bf16":
-            NP = N // page
-            P = S * H * NP
-            kq, kk, kv, kt = jax.random.split(key, 4)
-            q = jax.random.normal(kq, (S, H, G, D), jnp.bfloat16) / math.sqrt(D)
-            k = jax.random.normal(kk, (P, page, D), jnp.bfloat16)
-            v = jax.random.normal(kv, (P, page, D), jnp.bfloat16)
-            tables = jax.random.permutation(kt, P).reshape(S, H, NP).astype(jnp.int32)
-            nbytes = S * H * (N * 4 * D + NP * 4)
-            ref = jax.jit(md.mosaic_decode_reference)(q, k, v, tables)
-            operands = (q, k, v, tables)
+            q = q / math.sqrt(D)
+            ref = jax.jit(md.mosaic_decode_reference)(q, tier.keys, tier.values, tier.pages)
+            operands = (q, tier.keys, tier.values, tier.pages)
             launch = md.mosaic_decode
-        else:  # the same random pages and metadata as bench_attention's diffkv-high
-            (tier,), nbytes = random_case(key, "diffkv-high", S, H, D, N)
-            q = jax.random.normal(jax.random.fold_in(key, 1), (S, H, G, D), jnp.bfloat16)
+        else:
             ref = pdk.merge_partials([r[:3] for r in case_reference(q, [tier])])[0]
             operands = ((q.astype(jnp.float32) * pdk.logit_scale(D)), tier.keys,
                         tier.values, tier.meta[0], tier.meta[1], tier.pages)

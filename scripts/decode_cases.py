@@ -7,6 +7,8 @@ dequantizes them for the plain-jnp reference.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import jax
@@ -200,9 +202,6 @@ def time_launch_ms(fn, q, *rest, chain: int = 0, prepare=None, threaded: bool = 
 def write_results(path: str, bw: float, args, rows, **extra) -> None:
     """A benchmark's results as JSON: the copy bandwidth of its run, the device,
     its arguments (``args``: an argparse namespace) and ``rows``, with ``extra``."""
-    import json
-    import os
-
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as fh:
         json.dump({"copy_bandwidth_tbps": bw, "device": jax.devices()[0].device_kind,
