@@ -225,14 +225,16 @@ def mosaic_decode_reference(q, k_pool, v_pool, tables):
 # tokens by the columns, is one K group of a 64-byte swizzle). The probabilities, weighted by the values' scales, go through
 # shared memory as the B operand of the value dots, whose A operands are each page's
 # value codes unpacked in registers (low nibbles: dims 0 - 63, high: 64 - 127).
-# Operands in bfloat16 (codes to 255 are exact in it; the query and the weighted
-# probabilities keep 7 mantissa bits, hence an error of ~7.5e-3 of the output scale).
+# The operands' 16-bit type is ``operands``: codes to 255 are exact in either;
+# bfloat16 keeps 7 mantissa bits of the query and of the weighted probabilities, hence
+# an error of ~7.5e-3 of the output scale, float16 keeps 10.
 K8V4_SLOTS = 32
 TILE_COLS = 32
 
 
 def _k8v4_body(q_ref, qsum_ref, kv_ref, vv_ref, km_ref, vm_ref, tables_ref,
-               o_ref, st_ref, scoped, *, steps: int, stages: int, pages_per_split: int):
+               o_ref, st_ref, scoped, *, steps: int, stages: int, pages_per_split: int,
+               operands):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -263,7 +265,7 @@ def _k8v4_body(q_ref, qsum_ref, kv_ref, vv_ref, km_ref, vm_ref, tables_ref,
             acc_lo, acc_hi, m, l, z = carry
             slot = lax.rem(j, stages)
             plgpu.barrier_wait(page_bars.at[slot])
-            codes = kc_smem[slot].astype(jnp.bfloat16)
+            codes = kc_smem[slot].astype(operands)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, codes, q_smem.transpose((1, 0)))
@@ -279,14 +281,14 @@ def _k8v4_body(q_ref, qsum_ref, kv_ref, vv_ref, km_ref, vm_ref, tables_ref,
             vs, vz = meta(vm_smem[slot])
             l = l * alpha + p.sum(axis=0)
             z = z * alpha + (p * lax.broadcast_in_dim(vz, p.shape, [0])).sum(axis=0)
-            p_smem[...] = (p * lax.broadcast_in_dim(vs, p.shape, [0])).astype(jnp.bfloat16)
+            p_smem[...] = (p * lax.broadcast_in_dim(vs, p.shape, [0])).astype(operands)
             plgpu.commit_smem()
             acc_lo = acc_lo * lax.broadcast_in_dim(alpha, acc_lo.shape, [1])
             acc_hi = acc_hi * lax.broadcast_in_dim(alpha, acc_hi.shape, [1])
             for i in range(2):
                 vc = vc_smem[slot, i].astype(jnp.uint16)
-                lo = (vc & jnp.uint16(15)).astype(jnp.bfloat16)
-                hi = (vc >> jnp.uint16(4)).astype(jnp.bfloat16)
+                lo = (vc & jnp.uint16(15)).astype(operands)
+                hi = (vc >> jnp.uint16(4)).astype(operands)
                 pb = p_smem.at[pl.ds(i * K8V4_SLOTS, K8V4_SLOTS)]
 
                 def pv(acc_ref, codes):
@@ -326,8 +328,9 @@ def _k8v4_body(q_ref, qsum_ref, kv_ref, vv_ref, km_ref, vm_ref, tables_ref,
                                          (free_bars,), steps, stages))
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "stages"))
-def mosaic_k8v4_partials(q, keys, values, meta, tables, *, splits: int, stages: int = 2):
+@functools.partial(jax.jit, static_argnames=("splits", "stages", "operands"))
+def mosaic_k8v4_partials(q, keys, values, meta, tables, *, splits: int, stages: int = 2,
+                         operands=jnp.bfloat16):
     """Partials of every (sequence, KV head, split) over K8V4 pages.
 
     ``q``: [S, H, G, D] in log2 units (``q / sqrt(D) * log2(e)``); ``keys``,
@@ -336,7 +339,8 @@ def mosaic_k8v4_partials(q, keys, values, meta, tables, *, splits: int, stages: 
     row ``32 NP`` tokens. Returns ``o`` [S, H, splits, 2, D/2, 64] float32 (the
     dims' halves by query column, unnormalized, before the values' zero term) and
     ``stats`` [S, H, splits, 3, 64]: the running max, the sum and the zero term's
-    weight per column (columns past G are padding).
+    weight per column (columns past G are padding). ``operands``: the dots' 16-bit
+    operand type, ``jnp.bfloat16`` or ``jnp.float16``.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -347,12 +351,15 @@ def mosaic_k8v4_partials(q, keys, values, meta, tables, *, splits: int, stages: 
         raise ValueError(f"group {G} must be at most {TILE_COLS}, head dim {D} 128")
     if NP % 32 or NP % (2 * splits):
         raise ValueError(f"{NP} pages per row: a multiple of 32 and of 2 x {splits} needed")
+    operands = jnp.dtype(operands)
+    if operands not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"operands {operands}: bfloat16 or float16")
     pages_per_split = NP // splits
     steps = pages_per_split // 2
     if steps < stages:
         raise ValueError(f"{steps} steps per split, fewer than {stages} stages")
-    qb = q.astype(jnp.bfloat16)
-    q_pad = jnp.zeros((S, H, TILE_COLS, D), jnp.bfloat16).at[:, :, :G].set(qb)
+    qb = q.astype(operands)
+    q_pad = jnp.zeros((S, H, TILE_COLS, D), operands).at[:, :, :G].set(qb)
     qsum = jnp.zeros((S, H, TILE_COLS), jnp.float32).at[:, :, :G].set(
         qb.astype(jnp.float32).sum(-1))
     km, vm = meta
@@ -362,14 +369,14 @@ def mosaic_k8v4_partials(q, keys, values, meta, tables, *, splits: int, stages: 
                 plgpu.SwizzleTransform(row_bytes))
     tile = 2 * K8V4_SLOTS
     scratch = (
-        (plgpu.SMEM((TILE_COLS, D), jnp.bfloat16, transforms=swizzled(16, 128)),
+        (plgpu.SMEM((TILE_COLS, D), operands, transforms=swizzled(16, 128)),
          plgpu.SMEM((TILE_COLS,), jnp.float32),
          plgpu.SMEM((stages, tile, D), jnp.uint8, transforms=swizzled(8, 128)),
          plgpu.SMEM((stages, 2, D // 2, K8V4_SLOTS), jnp.uint8, transforms=swizzled(8, 32)),
          plgpu.SMEM((stages, tile), jnp.uint32),
          plgpu.SMEM((stages, tile), jnp.uint32),
          # rows of 64 bytes: a 64-byte swizzle, so a page's 32 tokens are one K group
-         plgpu.SMEM((tile, TILE_COLS), jnp.bfloat16, transforms=swizzled(16, 64)),
+         plgpu.SMEM((tile, TILE_COLS), operands, transforms=swizzled(16, 64)),
          plgpu.SMEM((2, D // 2, TILE_COLS), jnp.float32),
          plgpu.SMEM((3, TILE_COLS), jnp.float32),
          plgpu.SMEM((NP,), jnp.int32)),
@@ -378,7 +385,7 @@ def mosaic_k8v4_partials(q, keys, values, meta, tables, *, splits: int, stages: 
          plgpu.Barrier(num_barriers=stages)),
     )
     body = functools.partial(_k8v4_body, steps=steps, stages=stages,
-                             pages_per_split=pages_per_split)
+                             pages_per_split=pages_per_split, operands=operands)
 
     def entry(*refs):
         pl.run_scoped(lambda *s: body(*refs, s), *scratch, collective_axes="wg")
@@ -394,10 +401,11 @@ def mosaic_k8v4_partials(q, keys, values, meta, tables, *, splits: int, stages: 
                         )(q_pad, qsum, keys, values, km, vm, tables)
 
 
-def mosaic_k8v4(q, keys, values, meta, tables, *, splits: int, stages: int = 2):
+def mosaic_k8v4(q, keys, values, meta, tables, *, splits: int, stages: int = 2,
+                operands=jnp.bfloat16):
     """Decode attention over K8V4 pages: [S, H, G, D] float32 (``q`` in log2 units)."""
     o, st = mosaic_k8v4_partials(q, keys, values, meta, tables, splits=splits,
-                                 stages=stages)
+                                 stages=stages, operands=operands)
     return _merge_k8v4(o, st, q.shape[2])
 
 

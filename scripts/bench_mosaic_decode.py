@@ -34,6 +34,8 @@ def main(argv=None):
     p.add_argument("--pages", default="bf16",
                    help="comma list of page formats: bf16 (16-token pages), k8v4 (the "
                         "DiffKV high tier: 32-token pages, 8-bit keys, 4-bit values)")
+    p.add_argument("--operands", default="bf16",
+                   help="comma list of the K8V4 launch's dot operand types: bf16, f16")
     p.add_argument("--json", default="results/bench_mosaic_decode.json")
     args = p.parse_args(argv)
 
@@ -45,6 +47,7 @@ def main(argv=None):
     from scripts.decode_cases import (case_reference, copy_bandwidth, kernel_ms, random_case,
                                       time_chained_ms, write_results)
 
+    OPERAND_TYPES = dict(bf16=jnp.bfloat16, f16=jnp.float16)
     nq, H, D = 32, 8, 128
     G = nq // H
     bw = copy_bandwidth()
@@ -69,31 +72,34 @@ def main(argv=None):
                         tier.values, tier.meta[0], tier.meta[1], tier.pages)
             launch = lambda q, k, v, km, vm, t, **kw: md.mosaic_k8v4(  # noqa: E731
                 q, k, v, (km, vm), t, **kw)
-        for K in map(int, args.splits.split(",")):
-            for st in map(int, args.stages.split(",")):
-                name = f"mosaic-{fmt}[K={K},st={st}]"
-                try:
-                    fn = jax.jit(lambda *a, K=K, st=st, launch=launch: launch(
-                        *a, splits=K, stages=st))
-                    got = fn(*operands)
-                    err = float(jnp.abs(got - ref).max() / jnp.abs(ref).max())
-                    ms = time_chained_ms(fn, *operands, launches=args.chain)
-                    own, kernels = kernel_ms(fn, *operands, launches=args.chain,
-                                             names=("mosaic", "entry"))
-                except Exception as e:  # a setting that does not build is reported
-                    print(f"skip {name} B={S} N={N}: {type(e).__name__}: "
-                          f"{str(e)[:300]}", flush=True)
-                    continue
-                row = dict(batch=S, context=N, variant=name, splits=K, stages=st, ms=ms,
-                           kernel_ms=own, kernels=kernels, bytes=nbytes, rel_err=err,
-                           tbps=nbytes / (ms * 1e-3) / 1e12)
-                if own:
-                    row["kernel_tbps"] = nbytes / (own * 1e-3) / 1e12
-                rows.append(row)
-                print(f"{name} B={S} N={N}: {ms * 1e3:.1f} us chained, own "
-                      f"{(own or 0) * 1e3:.1f} us, err {err:.1e}; kernels "
-                      + ", ".join(f"{n[:40]} {t * 1e3:.1f}" for n, t in kernels[:4]),
-                      flush=True)
+        # the 16-bit launch's operands are its pages' type
+        types = ["bf16"] if fmt == "bf16" else args.operands.split(",")
+        for K, st, ty in itertools.product(map(int, args.splits.split(",")),
+                                           map(int, args.stages.split(",")), types):
+            name = f"mosaic-{fmt}[K={K},st={st}" + ("]" if fmt == "bf16" else f",{ty}]")
+            kw = {} if fmt == "bf16" else dict(operands=OPERAND_TYPES[ty])
+            try:
+                fn = jax.jit(lambda *a, K=K, st=st, kw=kw, launch=launch: launch(
+                    *a, splits=K, stages=st, **kw))
+                got = fn(*operands)
+                err = float(jnp.abs(got - ref).max() / jnp.abs(ref).max())
+                ms = time_chained_ms(fn, *operands, launches=args.chain)
+                own, kernels = kernel_ms(fn, *operands, launches=args.chain,
+                                         names=("mosaic", "entry"))
+            except Exception as e:  # a setting that does not build is reported
+                print(f"skip {name} B={S} N={N}: {type(e).__name__}: "
+                      f"{str(e)[:300]}", flush=True)
+                continue
+            row = dict(batch=S, context=N, variant=name, splits=K, stages=st, ms=ms,
+                       kernel_ms=own, kernels=kernels, bytes=nbytes, rel_err=err,
+                       tbps=nbytes / (ms * 1e-3) / 1e12)
+            if own:
+                row["kernel_tbps"] = nbytes / (own * 1e-3) / 1e12
+            rows.append(row)
+            print(f"{name} B={S} N={N}: {ms * 1e3:.1f} us chained, own "
+                  f"{(own or 0) * 1e3:.1f} us, err {err:.1e}; kernels "
+                  + ", ".join(f"{n[:40]} {t * 1e3:.1f}" for n, t in kernels[:4]),
+                  flush=True)
         write_results(args.json, bw, args, rows)  # after every shape
 
     print(f"\n{'B':>4} {'N':>6} {'variant':<26} {'us':>7} {'own us':>7} {'TB/s':>6} "
