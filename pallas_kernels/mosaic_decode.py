@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.paged_decode import LOG2E
+from pallas_kernels.paged_decode import LOG2E, unpack_meta_f32
 
 #: Query rows of a ``wgmma`` tile (the group padded to them).
 TILE_ROWS = 64
@@ -245,11 +245,6 @@ def _k8v4_body(q_ref, qsum_ref, kv_ref, vv_ref, km_ref, vm_ref, tables_ref,
     D = q_smem.shape[-1]
     half = D // 2
 
-    def meta(words):  # packed (scale, zero) words -> float32 pair
-        as_half = lambda b: lax.bitcast_convert_type(b.astype(jnp.uint16), jnp.float16)  # noqa: E731
-        return (as_half(words & jnp.uint32(0xFFFF)).astype(jnp.float32),
-                as_half(words >> jnp.uint32(16)).astype(jnp.float32))
-
     @pl.when(wg == 0)
     def _compute():
         plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_bar)
@@ -271,14 +266,14 @@ def _k8v4_body(q_ref, qsum_ref, kv_ref, vv_ref, km_ref, vm_ref, tables_ref,
                 plgpu.wgmma(acc_ref, codes, q_smem.transpose((1, 0)))
                 return acc_ref[...]
             dots = pl.run_scoped(qk, plgpu.ACC((2 * K8V4_SLOTS, TILE_COLS), jnp.float32))
-            ks, kz = meta(km_smem[slot])
+            ks, kz = unpack_meta_f32(km_smem[slot])
             s = (dots * lax.broadcast_in_dim(ks, dots.shape, [0])
                  + lax.broadcast_in_dim(kz, dots.shape, [0])
                  * lax.broadcast_in_dim(qsum, dots.shape, [1]))
             m_new = jnp.maximum(m, s.max(axis=0))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-            vs, vz = meta(vm_smem[slot])
+            vs, vz = unpack_meta_f32(vm_smem[slot])
             l = l * alpha + p.sum(axis=0)
             z = z * alpha + (p * lax.broadcast_in_dim(vz, p.shape, [0])).sum(axis=0)
             p_smem[...] = (p * lax.broadcast_in_dim(vs, p.shape, [0])).astype(operands)

@@ -94,6 +94,11 @@ def case_reference(q, tiers):
     return out
 
 
+def case_output(q, tiers):
+    """The plain-jnp reference's attention output: :func:`case_reference`'s tiers merged."""
+    return pdk.merge_partials([r[:3] for r in case_reference(q, tiers)])[0]
+
+
 def time_ms(fn, *args, reps: int = 20, rounds: int = 5) -> float:
     """Median over ``rounds`` of the mean time of ``reps`` back-to-back calls (ms).
 
