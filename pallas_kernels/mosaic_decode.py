@@ -222,9 +222,10 @@ def mosaic_decode_reference(q, k_pool, v_pool, tables):
 # Token tiles: a step's two pages (64 tokens) are the rows of a ``wgmma`` tile, their
 # key codes upcast in registers as its A operand against the query as a transposed B
 # operand; the group is padded to 32 columns (the probabilities' tile, a page's 32
-# tokens by the columns, is one K group of a 64-byte swizzle). The probabilities, weighted by the values' scales, go through
-# shared memory as the B operand of the value dots, whose A operands are each page's
-# value codes unpacked in registers (low nibbles: dims 0 - 63, high: 64 - 127).
+# tokens by the columns, is one K group of a 64-byte swizzle). The probabilities,
+# weighted by the values' scales, go through shared memory as the B operand of the
+# value dots, whose A operands are each page's value codes unpacked in registers
+# (low nibbles: dims 0 - 63, high: 64 - 127).
 # The operands' 16-bit type is ``operands``: codes to 255 are exact in either;
 # bfloat16 keeps 7 mantissa bits of the query and of the weighted probabilities, hence
 # an error of ~7.5e-3 of the output scale, float16 keeps 10.
