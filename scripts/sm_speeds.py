@@ -11,19 +11,23 @@ launch and multiprocessor:
 * ``end``: its last program's end less the mean of the multiprocessors' last
   ends (us).
 
-The GPU places a launch's programs on other multiprocessors every time, so a
-multiprocessor that is slow in every launch, whatever programs it got, is slow
-by itself. Printed:
+A multiprocessor slow in every launch is slow by itself only if it got other
+work each time: the GPU often places a launch's programs as it did the last
+time, and then gives each multiprocessor the same kinds of items again. So
+per file it prints how often the placement repeated (the median share of the
+used programs on the same multiprocessor in two of the file's launches), and
+how well the file's per-multiprocessor speeds match the other files' (a
+multiprocessor slow by itself is slow in every file, whatever the launch's
+items). Then, over all files:
 
 * ``agreement``: the correlation between the per-multiprocessor means over two
-  halves of the launches (even and odd), for ``speed`` and for ``end``; near 1,
-  the same multiprocessors are slow in every launch;
+  halves of the launches (even and odd), for ``speed`` and for ``end``;
 * the mean ``speed`` of every multiprocessor, by ID, 16 to a line;
-* per launch, its span and the span had each multiprocessor's persistent
-  ``end`` been taken off its last end (the mean over the *other files'*
-  launches, so a launch does not explain itself): what a plan that weighed its
-  items by the multiprocessor they run on could win at most, if a program could
-  know where it runs and its multiprocessor's end moved by its work alone.
+* per launch, its span and the span had each multiprocessor's usual ``end``
+  (the mean over the *other files'* launches, so a launch does not explain
+  itself) been taken off its last end: what a plan that weighed its items by
+  the multiprocessor they run on could win at most, if a program could know
+  where it runs and its multiprocessor's end moved by its work alone.
 
     python scripts/sm_speeds.py --device H200 docs/results/program_timeline_*.json.gz
 """
@@ -66,7 +70,8 @@ def launch_figures(run: dict, used, num_sms: int):
 
 def collect(paths, device: str, num_sms: int) -> list:
     """Every one-wave launch on ``device`` in ``paths``: dicts of ``file``,
-    ``setting``, ``speed``, ``end``, ``last``."""
+    ``setting``, ``speed``, ``end``, ``last`` and ``sm`` (the used programs'
+    multiprocessors, in item order)."""
     out = []
     for path in paths:
         with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
@@ -79,7 +84,8 @@ def collect(paths, device: str, num_sms: int) -> list:
                 fig = launch_figures(run, used, num_sms)
                 if fig is not None:
                     out.append({"file": os.path.basename(path), "setting": res["setting"],
-                                "speed": fig[0], "end": fig[1], "last": fig[2]})
+                                "speed": fig[0], "end": fig[1], "last": fig[2],
+                                "sm": np.asarray(run["sm"])[np.asarray(used, bool)]})
     return out
 
 
@@ -93,12 +99,37 @@ def agreement(values: np.ndarray) -> float:
     return float(np.corrcoef(a[ok], b[ok])[0, 1]) if ok.sum() > 2 else float("nan")
 
 
+def file_figures(launches: list) -> dict:
+    """Per file: ``(launches, placement repeated, speed correlation with the other
+    files, spread of its speeds)``. ``placement repeated``: the median, over pairs of
+    the file's launches of one setting, of the share of used programs on the same
+    multiprocessor in both (NaN with one launch a setting); the correlation is of
+    the file's per-multiprocessor mean speeds with the other files' (NaN alone)."""
+    out = {}
+    for name in sorted({x["file"] for x in launches}):
+        mine = [x for x in launches if x["file"] == name]
+        same = [float(np.mean(a["sm"] == b["sm"]))
+                for i, a in enumerate(mine) for b in mine[i + 1:]
+                if a["setting"] == b["setting"] and a["sm"].shape == b["sm"].shape]
+        own = np.nanmean([x["speed"] for x in mine], 0)
+        other = [x["speed"] for x in launches if x["file"] != name]
+        corr = float("nan")
+        if other:
+            rest = np.nanmean(other, 0)
+            ok = ~(np.isnan(own) | np.isnan(rest))
+            if ok.sum() > 2:
+                corr = float(np.corrcoef(own[ok], rest[ok])[0, 1])
+        out[name] = (len(mine), float(np.median(same)) if same else float("nan"), corr,
+                     float(np.nanstd(own)))
+    return out
+
+
 def span_without_persistent_ends(launches: list) -> list:
     """Per launch ``(span, span less each multiprocessor's persistent end)``; the
     persistent end is the mean over the launches of the other files (None where no
     other file has launches)."""
     out = []
-    for k, lk in enumerate(launches):
+    for lk in launches:
         others = [x["end"] for x in launches if x["file"] != lk["file"]]
         span = float(np.nanmax(lk["last"]))
         if not others:
@@ -123,6 +154,10 @@ def main() -> int:
     ends = np.array([x["end"] for x in launches])
     files = sorted({x["file"] for x in launches})
     print(f"{len(launches)} one-wave launches on {a.device} in {len(files)} files")
+    print(f"{'file':56s} {'launches':>8s} {'placement repeated':>18s} "
+          f"{'speeds vs other files':>21s} {'spread':>6s}")
+    for name, (n, same, corr, spread) in file_figures(launches).items():
+        print(f"{name[:56]:56s} {n:8d} {same:18.2f} {corr:21.2f} {spread:6.3f}")
     print(f"agreement between halves of the launches: speed {agreement(speed):.2f}, "
           f"end {agreement(ends):.2f}")
     persistent = np.nanmean(ends, 0)

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from scripts.sm_speeds import agreement, collect, launch_figures, span_without_persistent_ends
+from scripts.sm_speeds import (agreement, collect, file_figures, launch_figures,
+                               span_without_persistent_ends)
 
 SMS = 8
 
@@ -61,6 +62,10 @@ def test_persistent_slow_multiprocessors_are_found_and_taken_off(tmp_path):
     speeds = np.array([x["speed"] for x in launches])
     assert agreement(speeds) > 0.9
     assert set(np.argsort(np.nanmean(speeds, 0))[-2:]) == {1, 5}
+    # placed anew every launch (3 of 24 programs on one multiprocessor: 1 in 8 stay
+    # by chance), and each file's slow multiprocessors are the other file's
+    for n, same, corr, spread in file_figures(launches).values():
+        assert n == 3 and same < 0.4 and corr > 0.9 and spread > 0.05
     # the slow multiprocessors end 2 us after the others, about 1.5 us after the mean of the
     # eight ends: that offset, known from the other file, off each one's end
     for span, less in span_without_persistent_ends(launches):
@@ -72,8 +77,12 @@ def test_persistent_slow_multiprocessors_are_found_and_taken_off(tmp_path):
 def test_without_persistent_slowness_the_halves_do_not_agree(tmp_path):
     rng = np.random.default_rng(2)
     path = _write(tmp_path / "t.json.gz", [_launch(rng, slow=[], jitter=1.0) for _ in range(40)])
-    speeds = np.array([x["speed"] for x in collect([path], "H200", SMS)])
+    launches = collect([path], "H200", SMS)
+    speeds = np.array([x["speed"] for x in launches])
     assert abs(agreement(speeds)) < 0.8
+    # one file: no other to compare its speeds with
+    (n, same, corr, _), = file_figures(launches).values()
+    assert n == 40 and same < 0.4 and np.isnan(corr)
     # one file alone: no other file to take the persistent ends from
     assert all(less is None for _, less in span_without_persistent_ends(
         collect([path], "H200", SMS)))
@@ -90,5 +99,6 @@ def test_the_script_prints_its_table(tmp_path):
     proc = run("--device", "H200", *paths)
     assert proc.returncode == 0, proc.stderr
     assert "4 one-wave launches on H200 in 2 files" in proc.stdout
-    assert proc.stdout.count("t0.json.gz") == 2 and proc.stdout.count("t1.json.gz") == 2
+    # a line per file, then one per launch
+    assert proc.stdout.count("t0.json.gz") == 3 and proc.stdout.count("t1.json.gz") == 3
     assert run("--device", "A100", *paths).returncode == 1
