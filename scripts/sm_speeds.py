@@ -39,6 +39,7 @@ import gzip
 import json
 import os
 import sys
+import warnings
 
 import numpy as np
 
@@ -124,10 +125,10 @@ def file_figures(launches: list) -> dict:
     return out
 
 
-def span_without_persistent_ends(launches: list) -> list:
-    """Per launch ``(span, span less each multiprocessor's persistent end)``; the
-    persistent end is the mean over the launches of the other files (None where no
-    other file has launches)."""
+def span_without_usual_ends(launches: list) -> list:
+    """Per launch ``(span, span less each multiprocessor's usual end)``; the usual
+    end is the mean over the launches of the other files (None where no other file
+    has launches)."""
     out = []
     for lk in launches:
         others = [x["end"] for x in launches if x["file"] != lk["file"]]
@@ -135,8 +136,8 @@ def span_without_persistent_ends(launches: list) -> list:
         if not others:
             out.append((span, None))
             continue
-        persistent = np.nanmean(np.array(others), 0)
-        out.append((span, float(np.nanmax(lk["last"] - np.nan_to_num(persistent)))))
+        usual = np.nanmean(np.array(others), 0)
+        out.append((span, float(np.nanmax(lk["last"] - np.nan_to_num(usual)))))
     return out
 
 
@@ -146,6 +147,8 @@ def main() -> int:
     p.add_argument("--device", default="H200", help="launches of devices whose name holds this")
     p.add_argument("--sms", type=int, default=132, help="the device's multiprocessors")
     a = p.parse_args()
+    # a multiprocessor without programs in some launches is NaN there, by design
+    warnings.simplefilter("ignore", RuntimeWarning)
     launches = collect(a.files, a.device, a.sms)
     if not launches:
         print(f"no one-wave launches on a device named like {a.device!r} in these files")
@@ -160,17 +163,17 @@ def main() -> int:
         print(f"{name[:56]:56s} {n:8d} {same:18.2f} {corr:21.2f} {spread:6.3f}")
     print(f"agreement between halves of the launches: speed {agreement(speed):.2f}, "
           f"end {agreement(ends):.2f}")
-    persistent = np.nanmean(ends, 0)
-    print(f"multiprocessors' ends (us) less the launch's mean: std {np.nanmean(np.nanstd(ends, 1)):.2f} "
-          f"per launch, of which persistent (std of the means) {np.nanstd(persistent):.2f}")
+    print(f"multiprocessors' ends (us) less the launch's mean: std "
+          f"{np.nanmean(np.nanstd(ends, 1)):.2f} per launch; of their means over the "
+          f"launches (the part that repeats) {np.nanstd(np.nanmean(ends, 0)):.2f}")
     mean_speed = np.nanmean(speed, 0)
     print("mean speed by multiprocessor ID (program time over the launch's mean):")
     for i in range(0, a.sms, 16):
         print(f"  {i:3d}  " + " ".join(f"{v:5.3f}" for v in mean_speed[i:i + 16]))
     fast = np.flatnonzero(mean_speed < 1)
     print(f"faster than the mean: {len(fast)} of {a.sms}")
-    print(f"{'file':48s} {'setting':28s} {'span':>7s} {'less persistent ends':>21s}")
-    for x, (span, less) in zip(launches, span_without_persistent_ends(launches)):
+    print(f"{'file':48s} {'setting':28s} {'span':>7s} {'less usual ends':>21s}")
+    for x, (span, less) in zip(launches, span_without_usual_ends(launches)):
         less_s = "-" if less is None else f"{less:7.2f} ({span - less:+.2f})"
         print(f"{x['file'][:48]:48s} {x['setting'][:28]:28s} {span:7.2f} {less_s:>21s}")
     return 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from scripts.sm_speeds import (agreement, collect, file_figures, launch_figures,
-                               span_without_persistent_ends)
+                               span_without_usual_ends)
 
 SMS = 8
 
@@ -68,7 +68,7 @@ def test_persistent_slow_multiprocessors_are_found_and_taken_off(tmp_path):
         assert n == 3 and same < 0.4 and corr > 0.9 and spread > 0.05
     # the slow multiprocessors end 2 us after the others, about 1.5 us after the mean of the
     # eight ends: that offset, known from the other file, off each one's end
-    for span, less in span_without_persistent_ends(launches):
+    for span, less in span_without_usual_ends(launches):
         assert 0.8 < span - less < 2.0
     # a device the files do not name: nothing
     assert collect(paths, "H100", SMS) == []
@@ -83,8 +83,8 @@ def test_without_persistent_slowness_the_halves_do_not_agree(tmp_path):
     # one file: no other to compare its speeds with
     (n, same, corr, _), = file_figures(launches).values()
     assert n == 40 and same < 0.4 and np.isnan(corr)
-    # one file alone: no other file to take the persistent ends from
-    assert all(less is None for _, less in span_without_persistent_ends(
+    # one file alone: no other file to take the usual ends from
+    assert all(less is None for _, less in span_without_usual_ends(
         collect([path], "H200", SMS)))
 
 
