@@ -465,15 +465,20 @@ def used_items(result: dict):
     return np.arange(n) < used_count, np.ones(n)
 
 
-def load_stored(path: str) -> dict:
-    """A results file of this script (gzipped or not), each setting's launches given
-    the figures an older file lacks (:func:`sm_balance`) and the setting its
-    ``sm_end_agreement``."""
+def read_results(path: str) -> dict:
+    """A results file of this script as written (gzipped or not)."""
     import gzip
 
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as fh:
-        data = json.load(fh)
+        return json.load(fh)
+
+
+def load_stored(path: str) -> dict:
+    """A results file of this script (gzipped or not), each setting's launches given
+    the figures an older file lacks (:func:`sm_balance`) and the setting its
+    ``sm_end_agreement``."""
+    data = read_results(path)
     for res in data["results"]:
         used, units = used_items(res)
         for r in res["runs"]:

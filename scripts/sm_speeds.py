@@ -35,8 +35,6 @@ items). Then, over all files:
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import os
 import sys
 import warnings
@@ -45,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.program_timeline import used_items  # noqa: E402
+from scripts.program_timeline import read_results, used_items  # noqa: E402
 
 
 def launch_figures(run: dict, used, num_sms: int):
@@ -75,8 +73,7 @@ def collect(paths, device: str, num_sms: int) -> list:
     multiprocessors, in item order)."""
     out = []
     for path in paths:
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as fh:
-            data = json.load(fh)
+        data = read_results(path)
         if device not in data.get("device", ""):
             continue
         for res in data["results"]:
@@ -86,7 +83,7 @@ def collect(paths, device: str, num_sms: int) -> list:
                 if fig is not None:
                     out.append({"file": os.path.basename(path), "setting": res["setting"],
                                 "speed": fig[0], "end": fig[1], "last": fig[2],
-                                "sm": np.asarray(run["sm"])[np.asarray(used, bool)]})
+                                "sm": np.asarray(run["sm"])[used]})
     return out
 
 
@@ -129,15 +126,14 @@ def span_without_usual_ends(launches: list) -> list:
     """Per launch ``(span, span less each multiprocessor's usual end)``; the usual
     end is the mean over the launches of the other files (None where no other file
     has launches)."""
+    usual = {}
+    for name in {x["file"] for x in launches}:
+        others = [x["end"] for x in launches if x["file"] != name]
+        usual[name] = np.nan_to_num(np.nanmean(others, 0)) if others else None
     out = []
     for lk in launches:
-        others = [x["end"] for x in launches if x["file"] != lk["file"]]
-        span = float(np.nanmax(lk["last"]))
-        if not others:
-            out.append((span, None))
-            continue
-        usual = np.nanmean(np.array(others), 0)
-        out.append((span, float(np.nanmax(lk["last"] - np.nan_to_num(usual)))))
+        span, u = float(np.nanmax(lk["last"])), usual[lk["file"]]
+        out.append((span, None if u is None else float(np.nanmax(lk["last"] - u))))
     return out
 
 
